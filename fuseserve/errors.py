@@ -1,0 +1,107 @@
+"""Typed failures shared by every layer of fuseserve.
+
+Each error carries the facts a user needs (names, numbers, paths) in its message; the gateway maps
+them to OpenAI-style HTTP errors (``http_status``), the pipeline raises them as they are.
+"""
+
+from __future__ import annotations
+
+
+class FuseServeError(Exception):
+    """Base class of every fuseserve error. ``http_status`` is the status the gateway answers with."""
+
+    http_status: int = 500
+    error_type: str = "server_error"
+
+
+class ModelLoadError(FuseServeError):
+    """A model path, alias or file is missing, unreadable or not a supported checkpoint."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint's architecture has no fuseserve implementation."""
+
+
+class InvalidRequestError(FuseServeError):
+    """A request is malformed; ``param`` names the offending field when there is one."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidParameterError(InvalidRequestError):
+    """A sampling or generation parameter is outside its allowed range.
+
+    Example: ``InvalidParameterError("top_p", 1.5, "0 < top_p <= 1")``.
+    """
+
+    def __init__(self, param: str, value: object, allowed: str):
+        super().__init__(f"invalid {param}={value!r}: allowed {allowed}", param=param)
+        self.value = value
+        self.allowed = allowed
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """prompt tokens (+ max_new_tokens) exceed the model's context window (numbers in the message)."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, max_model_len: int):
+        super().__init__(
+            f"this model's maximum context length is {max_model_len} tokens; the request has "
+            f"{prompt_tokens} prompt tokens and asks for {max_new_tokens} new tokens "
+            f"({prompt_tokens + max_new_tokens} in total)",
+            param="max_tokens" if prompt_tokens < max_model_len else "prompt",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.max_model_len = max_model_len
+
+
+class KVCacheError(FuseServeError):
+    """Base class of paged KV-cache allocator errors."""
+
+
+class KVCacheFullError(KVCacheError):
+    """An allocation asked for more blocks than are free; nothing was allocated."""
+
+    def __init__(self, requested: int, free: int):
+        super().__init__(f"KV cache full: {requested} blocks requested, {free} free")
+        self.requested = requested
+        self.free = free
+
+
+class DoubleFreeError(KVCacheError):
+    """A block id was freed that is not currently allocated; nothing was freed."""
+
+
+class InvalidBlockError(KVCacheError):
+    """A block id outside ``[0, num_blocks)``; nothing was changed."""
+
+
+class KVCacheTooSmallError(KVCacheError):
+    """The configured KV memory cannot hold even one sequence of the model."""
+
+
+class SchedulerError(FuseServeError):
+    """An internal scheduling invariant failed."""
+
+
+class QueueFullError(FuseServeError):
+    """Too many requests are waiting; retry after ``retry_after`` seconds."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str = "too many requests waiting", retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class NoWorkerError(FuseServeError):
+    """No live worker can take the request."""
+
+    http_status = 503
+    error_type = "service_unavailable"

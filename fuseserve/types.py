@@ -1,0 +1,81 @@
+"""Plain data types crossing the scheduler ↔ worker boundary (in-process or over gRPC).
+
+A step plan carries ids and counts, never tensors (DESIGN "The persistent stack"). The worker keeps
+each sequence's block table, sampling state and last sampled token, so a decode entry needs no
+token id. ``fuseserve/proto/worker.proto`` mirrors these types field for field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fuseserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's slice of a forward pass.
+
+    seq_id: engine-wide unique sequence id.
+    start_pos: position (0-based) of the first token of this chunk; equals the number of tokens
+        whose KV the worker already holds for the sequence.
+    num_tokens: tokens in this chunk (>= 1).
+    token_ids: the chunk's token ids when they are known to the scheduler (prompt chunks, or a
+        recompute after preemption); empty for a decode entry, where the worker feeds the token it
+        sampled last for this sequence (then ``num_tokens == 1``).
+    sample: True when the chunk reaches the end of the known tokens, so the pass samples a token.
+    params: sampling parameters, sent with the sequence's first chunk only (``start_pos == 0``).
+    prompt_len: number of prompt tokens (for penalties: prompt vs generated), with ``params``.
+    """
+
+    seq_id: int
+    start_pos: int
+    num_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    sample: bool = False
+    params: SamplingParams | None = None
+    prompt_len: int = 0
+
+
+@dataclass
+class StepPlan:
+    """One forward pass for one worker: chunks to run, then sequences to free.
+
+    free_seq_ids are released *before* the chunks run (their blocks become usable by this step).
+    """
+
+    step_id: int
+    chunks: list[SeqChunk] = field(default_factory=list)
+    free_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the pass (the quantity the token budget bounds)."""
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a token id (natural log, over the full vocabulary, before sampling knobs)."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class SampledToken:
+    """A token sampled for one sequence in one step."""
+
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """What a worker returns for a StepPlan: one SampledToken per chunk with ``sample=True``, in plan order."""
+
+    step_id: int
+    tokens: list[SampledToken] = field(default_factory=list)
+    forward_seconds: float = 0.0
