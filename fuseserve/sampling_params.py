@@ -1,9 +1,172 @@
-"""Placeholder: replaced by the sampling helper (SamplingParams with validate())."""
+"""Per-request sampling and generation parameters, validated once at the edge.
 
-from dataclasses import dataclass
+Ranges follow the OpenAI API (temperature, top_p, presence/frequency penalties) and the
+``transformers`` / vLLM conventions (top_k, min_p, repetition_penalty). The gateway and the pipeline
+call :meth:`SamplingParams.validate` before a request enters the engine; the sampler trusts it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from fuseserve.errors import InvalidParameterError, InvalidRequestError
+
+MAX_LOGPROBS = 20
+"""Largest ``logprobs`` (top-N alternatives per token) a request may ask for."""
+
+MAX_STOP_STRINGS = 16
+"""Largest number of stop strings per request."""
+
+MAX_TEMPERATURE = 100.0
+"""Upper bound accepted for temperature (OpenAI documents 0..2; larger values are harmless)."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
 class SamplingParams:
+    """How one request chooses its tokens and when it stops.
+
+    max_new_tokens: tokens to generate at most (>= 1).
+    min_new_tokens: EOS and ``stop_token_ids`` are banned until this many tokens exist
+        (0 <= min_new_tokens <= max_new_tokens).
+    temperature: logits are divided by it; 0 means greedy (argmax). Range [0, 100].
+    top_k: keep the k most likely tokens; 0 or -1 turns it off. 1 is greedy.
+    top_p: nucleus sampling; keep the smallest set of tokens whose probability reaches top_p.
+        Range (0, 1]; 1 turns it off.
+    min_p: drop tokens whose probability is below ``min_p * max_prob``. Range [0, 1]; 0 is off.
+    repetition_penalty: ``transformers`` semantics over prompt + output tokens (> 0; 1 is off).
+    presence_penalty, frequency_penalty: OpenAI semantics over output tokens, each in [-2, 2].
+    seed: when set, the request's random draws come from its own generator, so its tokens do not
+        depend on the rest of the batch.
+    stop: up to 16 non-empty stop strings (matched on detokenized text).
+    stop_token_ids: token ids that end the sequence like EOS (the id itself is not shown as text).
+    ignore_eos: keep generating past EOS (the EOS ids are never sampled).
+    logprobs: None for none; 0 for the chosen token's logprob; N (<= 20) for the top-N as well.
+    include_stop_str_in_output: keep the matched stop string at the end of the output text.
+    """
+
     max_new_tokens: int = 16
+    min_new_tokens: int = 0
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    # ------------------------------------------------------------------ derived properties
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any repetition / presence / frequency penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> SamplingParams:
+        """Check every field against its allowed range; returns ``self`` for chaining.
+
+        Raises:
+            InvalidParameterError: naming the first offending parameter, its value and the range.
+        """
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise InvalidParameterError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise InvalidParameterError(
+                "min_new_tokens",
+                self.min_new_tokens,
+                f"an integer in [0, max_new_tokens={self.max_new_tokens}]",
+            )
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidParameterError(
+                "temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
+            )
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidParameterError("top_k", self.top_k, "-1 or 0 (off), or an integer >= 1")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidParameterError("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidParameterError("min_p", self.min_p, "a number in [0, 1]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidParameterError("repetition_penalty", self.repetition_penalty, "a number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise InvalidParameterError(name, value, "a number in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidParameterError("seed", self.seed, "an integer or null")
+        if (
+            not isinstance(self.stop, (list, tuple))
+            or len(self.stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            raise InvalidParameterError("stop", self.stop, f"at most {MAX_STOP_STRINGS} non-empty strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise InvalidParameterError("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidParameterError("ignore_eos", self.ignore_eos, "true or false")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidParameterError(
+                "logprobs", self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]"
+            )
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidParameterError(
+                "include_stop_str_in_output", self.include_stop_str_in_output, "true or false"
+            )
+        return self
+
+    # ------------------------------------------------------------------ construction / transport
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
+        """Build from keyword arguments, then validate.
+
+        Raises:
+            InvalidRequestError: a keyword is not a SamplingParams field (``param`` names it).
+            InvalidParameterError: a value is out of range.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in kwargs if k not in known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+                param=unknown[0],
+            )
+        params = cls(**kwargs)
+        if isinstance(params.stop, str):
+            params.stop = [params.stop]
+        params.stop = list(params.stop) if isinstance(params.stop, tuple) else params.stop
+        if isinstance(params.stop_token_ids, tuple):
+            params.stop_token_ids = list(params.stop_token_ids)
+        return params.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of every field (lists copied)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Inverse of :meth:`to_dict`; unknown keys raise like :meth:`from_kwargs`."""
+        return cls.from_kwargs(**data)

@@ -1,0 +1,324 @@
+"""Batched token sampling on the worker: logits ``[S, V]`` in, one token per row out.
+
+Lifecycle position: schedule → prepare → run → **sample** → postprocess. The model runner hands
+the logits of the rows that sample (one per sequence, aligned with ``states``); the sampler
+returns token ids on the logits' device plus log-probabilities where requested.
+
+Processing order (each step vectorised over the batch; fp32 throughout):
+
+1. **EOS ban**: the EOS ids and the row's ``stop_token_ids`` get ``-inf`` while
+   ``len(output) < min_new_tokens``; with ``ignore_eos`` the EOS ids are banned always. Ids are
+   checked against the full logits width (it may exceed the tokenizer's vocab).
+2. **Repetition penalty** (``transformers`` / CTRL semantics, Keskar et al. 2019) over prompt +
+   output tokens: a positive logit is divided by the penalty, a negative one multiplied.
+3. **Presence / frequency penalties** (OpenAI semantics) over output tokens only:
+   ``logit -= presence * (count > 0) + frequency * count``.
+4. **Greedy rows** (temperature 0 or top_k 1) take the argmax here.
+5. **Temperature**: ``logit / temperature``.
+6. **top_k**: keep tokens whose logit is >= the k-th largest (ties kept, as ``transformers``).
+7. **top_p**: sort ascending once, drop tokens whose ascending cumulative probability is
+   ``<= 1 - top_p`` (always keeping the most likely token), as ``transformers``' TopPLogitsWarper.
+8. **min_p**: drop tokens with probability ``< min_p * max_prob``.
+9. **Sample** with the exponential race (Gumbel-max equivalent): ``argmax(probs / q)``,
+   ``q ~ Exp(1)``. Rows with a seed draw ``q`` from their own generator, so a seeded request gets the
+   same tokens whatever else is in the batch; unseeded rows share one batch draw.
+
+Log-probabilities are ``log_softmax`` of the *raw* logits (before any of the above): the chosen
+token's, plus the top-N when ``params.logprobs = N > 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import TokenLogprob
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SeqSamplingState:
+    """Sampling state of one running sequence, kept by the worker for the sequence's lifetime.
+
+    params: the request's sampling parameters (already validated).
+    prompt_token_ids: the prompt (used by the repetition penalty).
+    output_token_ids: tokens generated so far; the worker appends each sampled token.
+    generator: the request's own random generator when ``params.seed`` is set, else None.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    _prompt_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def create(
+        cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str = "cpu"
+    ) -> SeqSamplingState:
+        """New state with an empty output; seeds a generator on ``device`` when ``params.seed`` is set."""
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=torch.device(device))
+            generator.manual_seed(params.seed)
+        return cls(
+            params=params, prompt_token_ids=list(prompt_token_ids), output_token_ids=[], generator=generator
+        )
+
+    def prompt_tensor(self, device: torch.device) -> torch.Tensor:
+        """The prompt as an int64 tensor ``[prompt_len]`` on ``device`` (built once, cached)."""
+        if self._prompt_tensor is None or self._prompt_tensor.device != device:
+            self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
+        return self._prompt_tensor
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling call.
+
+    token_ids: ``[S]`` int64 on the logits' device, one per row.
+    logprobs: chosen token's log-probability per row (None where ``params.logprobs`` is None).
+    top_logprobs: per row, the top-N alternatives, most likely first (empty unless logprobs >= 1).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: list[float | None]
+    top_logprobs: list[list[TokenLogprob]]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _pad_ids(seqs: list[torch.Tensor], pad: int, device: torch.device) -> torch.Tensor:
+    """Right-pad 1-D int64 tensors into ``[n, max_len]`` (at least one column) with ``pad``."""
+    width = max(1, max((t.numel() for t in seqs), default=0))
+    out = torch.full((len(seqs), width), pad, dtype=torch.long, device=device)
+    for i, t in enumerate(seqs):  # ragged rows: one copy per row, no per-token work in Python
+        if t.numel():
+            out[i, : t.numel()] = t
+    return out
+
+
+def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    """``[n, 1]`` fp32 column of per-row values."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def apply_eos_ban(logits: torch.Tensor, states: list[SeqSamplingState], eos_token_ids: list[int]) -> None:
+    """Step 1, in place on ``logits [S, V]``: ban EOS / stop ids per ``min_new_tokens`` and ``ignore_eos``.
+
+    Ids outside ``[0, V)`` are skipped (the model can never produce them).
+    """
+    width = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, st in enumerate(states):
+        p = st.params
+        banned: set[int] = set()
+        if len(st.output_token_ids) < p.min_new_tokens:
+            banned.update(eos_token_ids)
+            banned.update(p.stop_token_ids)
+        if p.ignore_eos:
+            banned.update(eos_token_ids)
+        for t in banned:
+            if 0 <= t < width:
+                rows.append(i)
+                cols.append(t)
+    if rows:
+        idx_r = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        idx_c = torch.tensor(cols, dtype=torch.long, device=logits.device)
+        logits[idx_r, idx_c] = _NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    """Steps 2-3 on ``logits [S, V]`` (fp32): repetition, then presence / frequency penalties.
+
+    Only rows with a penalty are touched. Token ids ``>= V`` are ignored. Returns ``logits``.
+    """
+    rows = [i for i, st in enumerate(states) if st.params.has_penalties]
+    if not rows:
+        return logits
+    device = logits.device
+    num_rows, vocab = len(rows), logits.shape[1]
+    sub = logits[rows] if len(rows) < len(states) else logits
+    sel = [states[i] for i in rows]
+    outputs = _pad_ids(
+        [torch.tensor(st.output_token_ids, dtype=torch.long, device=device) for st in sel], vocab, device
+    ).clamp_(0, vocab)
+    # counts[r, t] = occurrences of t among row r's output tokens; column V absorbs padding
+    counts = torch.zeros((num_rows, vocab + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
+    counts = counts[:, :vocab]
+
+    rep = torch.tensor([st.params.repetition_penalty for st in sel], dtype=torch.float32, device=device)
+    if bool((rep != 1.0).any()):
+        prompts = _pad_ids([st.prompt_tensor(device) for st in sel], vocab, device).clamp_(0, vocab)
+        seen = torch.zeros((num_rows, vocab + 1), dtype=torch.bool, device=device)
+        seen.scatter_(1, prompts, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        rep = rep.unsqueeze(1)
+        penalised = torch.where(sub < 0, sub * rep, sub / rep)
+        sub = torch.where(seen, penalised, sub)
+
+    presence = _row_tensor([st.params.presence_penalty for st in sel], device)
+    frequency = _row_tensor([st.params.frequency_penalty for st in sel], device)
+    sub = sub - presence * (counts > 0).to(torch.float32) - frequency * counts
+
+    if len(rows) < len(states):
+        logits[rows] = sub
+        return logits
+    return sub
+
+
+def apply_warpers(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    """Steps 5-8 on ``logits [S, V]`` (fp32): temperature, top_k, top_p, min_p. Returns new logits.
+
+    Greedy rows (temperature 0) are scaled by 1 instead; their argmax is unchanged by the rest.
+    Removed tokens get ``-inf``; the most likely token always survives.
+    """
+    device = logits.device
+    vocab = logits.shape[1]
+    params = [st.params for st in states]
+
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if any(t != 1.0 for t in temps):
+        logits = logits / _row_tensor(temps, device)
+
+    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    ks = [min(k, vocab) for k in ks]
+    use_top_k = any(k < vocab for k in ks)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if use_top_k or use_top_p:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
+        if use_top_k:
+            # k-th largest logit sits at ascending position V - k
+            kth_pos = torch.tensor([vocab - k for k in ks], dtype=torch.long, device=device).unsqueeze(1)
+            kth = sorted_logits.gather(1, kth_pos)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+        if use_top_p:
+            top_p = _row_tensor([p.top_p for p in params], device)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            remove = (cum <= (1 - top_p)) & (top_p < 1.0)
+            remove[:, -1] = False
+            sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+        logits = torch.empty_like(sorted_logits).scatter_(1, sorted_idx, sorted_logits)
+
+    if any(p.min_p > 0 for p in params):
+        min_p = _row_tensor([p.min_p for p in params], device)
+        probs = logits.softmax(dim=-1)
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)
+        remove = probs < threshold
+        remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+        logits = logits.masked_fill(remove, _NEG_INF)
+    return logits
+
+
+def process_logits(
+    logits: torch.Tensor, states: list[SeqSamplingState], eos_token_ids: list[int] = ()
+) -> torch.Tensor:
+    """All logit processing (steps 1-3 and 5-8) without sampling; a new fp32 ``[S, V]`` tensor.
+
+    Exposed so tests can compare each stage against ``transformers``' logits processors. For greedy
+    rows the argmax of the result is the greedy token.
+    """
+    out = logits.to(torch.float32, copy=True)
+    apply_eos_ban(out, states, list(eos_token_ids))
+    out = apply_penalties(out, states)
+    return apply_warpers(out, states)
+
+
+def _exponential(states: list[SeqSamplingState], rows: list[int], vocab: int, device) -> torch.Tensor:
+    """``q ~ Exp(1)`` of shape ``[len(rows), V]``: seeded rows from their own generator, others batched."""
+    q = torch.empty((len(rows), vocab), dtype=torch.float32, device=device)
+    unseeded = [j for j, i in enumerate(rows) if states[i].generator is None]
+    if unseeded:
+        draw = torch.empty((len(unseeded), vocab), dtype=torch.float32, device=device).exponential_()
+        if len(unseeded) == len(rows):
+            q = draw
+        else:
+            q[unseeded] = draw
+    for j, i in enumerate(rows):  # per-row seeded generators: unavoidable loop
+        gen = states[i].generator
+        if gen is not None:
+            q[j] = (
+                torch.empty(vocab, dtype=torch.float32, device=gen.device)
+                .exponential_(generator=gen)
+                .to(device)
+            )
+    return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+# ---------------------------------------------------------------------------------------------- sampler
+class Sampler:
+    """Samples one token per row from ``[S, V]`` logits (see the module docstring for the order).
+
+    eos_token_ids: the model's end-of-sequence ids (banned per ``min_new_tokens`` / ``ignore_eos``).
+    vocab_size: number of ids the model can emit; the logits width must be at least this (it may
+        be larger, e.g. padded lm_head; EOS ids are still checked over the full width).
+    """
+
+    def __init__(self, eos_token_ids: list[int], vocab_size: int):
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.vocab_size = int(vocab_size)
+
+    def __call__(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> SamplerOutput:
+        """Sample ``[S]`` token ids from ``logits [S, V]`` (any float dtype), rows aligned with ``states``.
+
+        Raises:
+            ValueError: the row count differs from ``len(states)`` or ``V < vocab_size``.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sampling states")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits width {logits.shape[1]} is below vocab_size {self.vocab_size}")
+        raw = logits.to(torch.float32)
+        work = raw.clone()
+        apply_eos_ban(work, states, self.eos_token_ids)
+        if all(st.params.greedy and not st.params.has_penalties for st in states):
+            token_ids = work.argmax(dim=-1)  # fast path
+        else:
+            token_ids = self._sample(work, states)
+        logprobs, top_logprobs = _logprobs(raw, token_ids, states)
+        return SamplerOutput(token_ids, logprobs, top_logprobs)
+
+    @staticmethod
+    def _sample(work: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        """Steps 2-9 on the EOS-banned fp32 logits ``[S, V]``; returns ``[S]`` int64 token ids."""
+        work = apply_penalties(work, states)
+        token_ids = work.argmax(dim=-1)
+        sample_rows = [i for i, st in enumerate(states) if not st.params.greedy]
+        if not sample_rows:
+            return token_ids
+        sub_states = [states[i] for i in sample_rows]
+        sub = work if len(sample_rows) == len(states) else work[sample_rows]
+        probs = apply_warpers(sub, sub_states).softmax(dim=-1)
+        q = _exponential(states, sample_rows, probs.shape[1], probs.device)
+        sampled = (probs / q).argmax(dim=-1)
+        if len(sample_rows) == len(states):
+            return sampled
+        token_ids[torch.tensor(sample_rows, dtype=torch.long, device=token_ids.device)] = sampled
+        return token_ids
+
+
+def _logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, states: list[SeqSamplingState]
+) -> tuple[list[float | None], list[list[TokenLogprob]]]:
+    """Chosen-token and top-N log-probabilities from the raw fp32 logits ``[S, V]`` (natural log)."""
+    chosen: list[float | None] = [None] * len(states)
+    tops: list[list[TokenLogprob]] = [[] for _ in states]
+    rows = [i for i, st in enumerate(states) if st.params.logprobs is not None]
+    if not rows:
+        return chosen, tops
+    idx = torch.tensor(rows, dtype=torch.long, device=raw.device)
+    lp = torch.log_softmax(raw[idx], dim=-1)
+    chosen_lp = lp.gather(1, token_ids[idx].unsqueeze(1)).squeeze(1).tolist()
+    for i, v in zip(rows, chosen_lp, strict=True):
+        chosen[i] = v
+    n_max = max(states[i].params.logprobs for i in rows)
+    if n_max > 0:
+        top_v, top_i = lp.topk(min(n_max, lp.shape[1]), dim=-1)
+        for j, (vals, ids) in enumerate(zip(top_v.tolist(), top_i.tolist(), strict=True)):
+            n = states[rows[j]].params.logprobs
+            tops[rows[j]] = [TokenLogprob(t, v) for t, v in zip(ids[:n], vals[:n], strict=True)]
+    return chosen, tops
