@@ -1,0 +1,115 @@
+"""Benchmark plots (matplotlib, Agg backend, PNG), from `benchmarks.metrics.summarize` records.
+
+Each record is a dict holding the `summarize` keys plus ``clients`` (number of closed-loop clients)
+and ``system`` and/or ``policy`` (what was measured); one line is drawn per system/policy label.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+Record = Mapping[str, Any]
+
+
+def label_of(record: Record) -> str:
+    """``"system/policy"``, or whichever of the two is present (``"?"`` when neither)."""
+    parts = [str(record[k]) for k in ("system", "policy") if record.get(k) is not None]
+    return "/".join(parts) or "?"
+
+
+def _by_label(results: Sequence[Record]) -> dict[str, list[Record]]:
+    groups: dict[str, list[Record]] = defaultdict(list)
+    for r in results:
+        groups[label_of(r)].append(r)
+    return {k: sorted(v, key=lambda r: r["clients"]) for k, v in groups.items()}
+
+
+def _num(value: Any) -> float:
+    """A plotted value; None (a NaN written to JSON as null) becomes NaN, i.e. a gap in the line."""
+    return float("nan") if value is None else float(value)
+
+
+def _save(fig: plt.Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput_latency(
+    results: Sequence[Record],
+    path: str | Path,
+    throughput_key: str = "requests_per_s",
+    latency_key: str = "mean_e2e_latency_s",
+) -> Path:
+    """Throughput (y) against mean end-to-end latency (x), one line per system, points = clients.
+
+    The paper's Figure 5 layout. Returns the PNG path.
+    """
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label, rows in _by_label(results).items():
+        xs = [_num(r[latency_key]) for r in rows]
+        ys = [_num(r[throughput_key]) for r in rows]
+        ax.plot(xs, ys, marker="o", label=label)
+        for r, x, y in zip(rows, xs, ys, strict=True):
+            ax.annotate(str(r["clients"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel(latency_key.replace("_", " "))
+    ax.set_ylabel(throughput_key.replace("_", " "))
+    ax.set_title("Throughput vs latency (labels: clients)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_effective_throughput(
+    results: Sequence[Record], path: str | Path, key: str = "effective_requests_per_s"
+) -> Path:
+    """Effective throughput against clients: one panel per token-rate threshold, one line per system.
+
+    ``key`` is a `summarize` dict keyed by threshold (``effective_requests_per_s`` or
+    ``effective_tokens_per_s``). Panel titles give the (scaled) thresholds. Returns the PNG path.
+    """
+    rates = sorted({k for r in results for k in r.get(key, {})}, key=float)
+    fig, axes = plt.subplots(1, max(1, len(rates)), figsize=(4.5 * max(1, len(rates)), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=False):
+        for label, rows in _by_label(results).items():
+            pts = [(r["clients"], _num(r[key][rate])) for r in rows if rate in r.get(key, {})]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+        prompt_rate = next((r["sla"]["prompt_rate"] for r in results if "sla" in r), None)
+        title = f"token rate >= {rate}/s"
+        if prompt_rate is not None:
+            title += f", prompt {prompt_rate:g} tok/s"
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("clients")
+        ax.set_ylabel(key.replace("_", " "))
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_token_latency(results: Sequence[Record], path: str | Path) -> Path:
+    """Per-token latency P50 / P90 / P95 (s) against clients: one panel per percentile."""
+    keys = ("token_latency_p50_s", "token_latency_p90_s", "token_latency_p95_s")
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for label, rows in _by_label(results).items():
+            ax.plot([r["clients"] for r in rows], [_num(r[key]) for r in rows], marker="o", label=label)
+        ax.set_title(key.replace("_", " "))
+        ax.set_xlabel("clients")
+        ax.set_ylabel("seconds")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
