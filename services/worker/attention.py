@@ -1,0 +1,115 @@
+"""Attention backends and the scoped forward context through which batch metadata reaches attention.
+
+Model files call ``attention(layer_idx, q, k, v, scale)``; the backend (torch reference, Triton,
+flash-attn) and its per-pass metadata come from the ``ForwardContext`` the runner opens around the
+forward pass. Model code never branches on the device or the backend (STYLE 6, 9).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fuseserve.kernels import reference
+from fuseserve.worker.kv_cache import KVCache
+from fuseserve.worker.ragged_batch import RaggedBatch
+
+
+class AttentionBackend(ABC):
+    """Paged ragged attention over a ``KVCache``.
+
+    Contract: ``prepare`` runs once per pass and returns backend-specific metadata; ``forward``
+    writes the pass's K/V into the cache at ``batch.slot_mapping`` and returns the attention output
+    ``[T, num_heads * head_dim]`` for queries ``q [T, num_heads, head_dim]``. Each query attends
+    causally to its own sequence (earlier chunks included, through the cache); with
+    ``sliding_window`` W, only to the last W positions (itself included).
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def prepare(self, batch: RaggedBatch, block_size: int, sliding_window: int | None) -> Any: ...
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """PyTorch reference backend (``fuseserve.kernels.reference``): the CPU path and the test oracle."""
+
+    name = "torch"
+
+    def prepare(self, batch: RaggedBatch, block_size: int, sliding_window: int | None) -> Any:
+        return reference.plan_attention(
+            batch.query_lens,
+            batch.context_lens,
+            batch.block_tables,
+            batch.slot_mapping,
+            block_size,
+            sliding_window,
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+        reference.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        out = reference.paged_attention(q, k_cache, v_cache, metadata, scale)
+        return out.flatten(1)
+
+
+@dataclass
+class ForwardContext:
+    """Everything attention needs for one pass: backend, its metadata, the KV cache."""
+
+    backend: AttentionBackend
+    metadata: Any
+    kv_cache: KVCache
+
+
+_CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "fuseserve_forward", default=None
+)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make ``ctx`` visible to ``attention()`` calls inside the ``with`` block (and only there)."""
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def attention(
+    layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Paged attention of layer ``layer_idx``: ``q [T, H, D]``, ``k/v [T, KVH, D]`` → ``[T, H*D]``.
+
+    Raises ``RuntimeError`` when called outside ``forward_context``.
+    """
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError("attention() called outside a forward_context")
+    return ctx.backend.forward(
+        q, k, v, ctx.kv_cache.k[layer_idx], ctx.kv_cache.v[layer_idx], ctx.metadata, scale
+    )
+
+
+def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+    """Backend by name: ``torch`` (reference), ``auto`` (the best available for ``device``)."""
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch")

@@ -1,0 +1,264 @@
+"""The worker's model runner: executes step plans (prepare → run → sample → postprocess).
+
+It owns the model, the paged KV cache with its block allocator and per-sequence block tables, and
+per-sequence state (sampling state, last sampled token, tokens whose KV it holds). The same runner
+serves the in-process pipeline and the gRPC worker (STYLE 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
+from fuseserve.worker.kv_cache import BlockAllocator, BlockTables, KVCache, bytes_per_block
+from fuseserve.worker.loader import load_model
+from fuseserve.worker.ragged_batch import RaggedBatch
+from fuseserve.worker.sampler import Sampler, SeqSamplingState
+
+from fuseserve.config import EngineConfig, default_device, parse_dtype, parse_memory
+from fuseserve.errors import KVCacheTooSmallError, SchedulerError
+from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_MEMORY = 1 << 30  # 1 GiB
+GPU_MEMORY_FRACTION = 0.85  # of the memory free after the weights load
+
+
+@dataclass
+class WorkerSeq:
+    """What the worker keeps for one sequence.
+
+    num_computed: tokens whose K/V are in the cache.
+    last_token: token sampled last (the input of the next decode entry), None before the first sample.
+    sampling: penalties' token history, seeded generator, parameters.
+    """
+
+    num_computed: int
+    last_token: int | None
+    sampling: SeqSamplingState
+    prompt_len: int
+
+
+@dataclass
+class WorkerInfo:
+    """Capacity a worker reports to its scheduler."""
+
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+
+
+class ModelRunner:
+    """Runs ragged forward passes of one model over a paged KV cache.
+
+    Args:
+        model_path: Hugging Face style directory (config.json + safetensors).
+        hf_config: its ``transformers`` config.
+        eos_token_ids: the model's EOS ids (generation config), checked over the full vocabulary.
+        config: engine knobs (block_size, kv_cache_memory, device, dtype).
+    Raises ``ModelLoadError`` / ``UnsupportedModelError`` on load, ``KVCacheTooSmallError`` when the KV
+    memory cannot hold one block per layer.
+    """
+
+    def __init__(
+        self,
+        model_path,
+        hf_config,
+        eos_token_ids: list[int],
+        config: EngineConfig | None = None,
+        backend: AttentionBackend | None = None,
+        progress: bool = True,
+    ):
+        self.config = config or EngineConfig()
+        self.device = torch.device(self.config.device) if self.config.device else default_device()
+        self.dtype = parse_dtype(self.config.dtype, self.device)
+        self.hf_config = hf_config
+        self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
+        self.backend = backend or get_backend("auto", self.device)
+        self.block_size = self.config.block_size
+        layers = hf_config.num_hidden_layers
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        memory = self._kv_memory_bytes()
+        num_blocks = KVCache.num_blocks_for(memory, layers, self.block_size, kv_heads, head_dim, self.dtype)
+        if num_blocks < 1:
+            need = bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
+            raise KVCacheTooSmallError(
+                f"kv_cache_memory={memory} bytes holds no block (one block needs {need})"
+            )
+        self.kv_cache = KVCache(
+            layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device
+        )
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_tables = BlockTables(self.allocator, self.block_size)
+        self.vocab_size = hf_config.vocab_size
+        self.sampler = Sampler(eos_token_ids, self.vocab_size)
+        self.info = WorkerInfo(
+            self.block_size,
+            num_blocks,
+            int(hf_config.max_position_embeddings),
+            self.vocab_size,
+            list(eos_token_ids),
+            str(self.device),
+            str(self.dtype).split(".")[-1],
+        )
+        self.seqs: dict[int, WorkerSeq] = {}
+        log.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB) on %s %s",
+            num_blocks,
+            self.block_size,
+            memory / 2**20,
+            self.device,
+            self.info.dtype,
+        )
+
+    def _kv_memory_bytes(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return parse_memory(self.config.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * GPU_MEMORY_FRACTION)
+        return DEFAULT_CPU_KV_MEMORY
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    # ----- lifecycle -----
+    def free(self, seq_ids: list[int]) -> None:
+        """Drop sequences and return their blocks (unknown ids are ignored)."""
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+            self.block_tables.free(sid)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Run one plan: free, prepare, run, sample, postprocess. Returns the sampled tokens in plan order."""
+        t0 = time.perf_counter()
+        logits, sampling_chunks = self.run_pass(plan)
+        tokens: list[SampledToken] = []
+        if sampling_chunks:
+            states = [self.seqs[c.seq_id].sampling for c in sampling_chunks]
+            out = self.sampler(logits, states)
+            ids = out.token_ids.tolist()
+            for i, c in enumerate(sampling_chunks):
+                seq = self.seqs[c.seq_id]
+                seq.last_token = ids[i]
+                seq.sampling.output_token_ids.append(ids[i])
+                tops = out.top_logprobs[i] if out.top_logprobs else []
+                tokens.append(
+                    SampledToken(
+                        c.seq_id,
+                        ids[i],
+                        out.logprobs[i] if out.logprobs else None,
+                        [TokenLogprob(t.token_id, t.logprob) for t in tops],
+                    )
+                )
+        return StepResult(plan.step_id, tokens, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def run_pass(self, plan: StepPlan, all_logits: bool = False) -> tuple[torch.Tensor, list[SeqChunk]]:
+        """Free, prepare and run one pass; returns logits ``[S', vocab]`` (fp32) of the sampling chunks.
+
+        ``all_logits=True`` (tests, scoring) returns logits ``[T, vocab]`` of every token instead.
+        """
+        self.free(plan.free_seq_ids)
+        batch, sampling_chunks = self.prepare(plan)
+        if all_logits:
+            batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
+        metadata = self.backend.prepare(batch, self.block_size, self.model.sliding_window)
+        with forward_context(ForwardContext(self.backend, metadata, self.kv_cache)):
+            hidden = self.model(batch.input_ids, batch.positions)
+            logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        for c in plan.chunks:
+            self.seqs[c.seq_id].num_computed = c.start_pos + c.num_tokens
+        return logits, sampling_chunks
+
+    def prepare(self, plan: StepPlan) -> tuple[RaggedBatch, list[SeqChunk]]:
+        """Build the flattened ragged batch; allocates blocks as chunks need them.
+
+        Raises ``SchedulerError`` for an inconsistent plan (unknown sequence, wrong start_pos, missing
+        tokens) and ``KVCacheFullError`` when blocks run out (the scheduler's accounting prevents it).
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, context_lens, tables, logits_idx, sampling_chunks = [], [], [], [], []
+        bs = self.block_size
+        for c in plan.chunks:
+            seq = self._seq_for(c)
+            tokens = c.token_ids if c.token_ids else self._decode_input(c, seq)
+            if len(tokens) != c.num_tokens:
+                raise SchedulerError(f"seq {c.seq_id}: {len(tokens)} token ids for num_tokens={c.num_tokens}")
+            self._record_tokens(seq, c.start_pos, tokens)
+            end = c.start_pos + c.num_tokens
+            table = self.block_tables.ensure(c.seq_id, end)
+            input_ids.extend(tokens)
+            positions.extend(range(c.start_pos, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start_pos, end))
+            query_lens.append(c.num_tokens)
+            context_lens.append(end)
+            tables.append(table)
+            if c.sample:
+                logits_idx.append(len(input_ids) - 1)
+                sampling_chunks.append(c)
+        max_blocks = max((len(t) for t in tables), default=0)
+        dev = self.device
+        bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        batch = RaggedBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            query_lens=query_lens,
+            context_lens=context_lens,
+        )
+        return batch, sampling_chunks
+
+    def _seq_for(self, c: SeqChunk) -> WorkerSeq:
+        seq = self.seqs.get(c.seq_id)
+        if c.start_pos == 0 and c.params is not None:
+            if seq is not None:  # a recompute restarts the sequence from scratch
+                self.free([c.seq_id])
+            seq = WorkerSeq(0, None, SeqSamplingState.create(c.params, [], self.device), c.prompt_len)
+            self.seqs[c.seq_id] = seq
+        if seq is None:
+            raise SchedulerError(f"seq {c.seq_id}: first chunk must have start_pos=0 and sampling params")
+        if c.start_pos != seq.num_computed:
+            raise SchedulerError(
+                f"seq {c.seq_id}: chunk starts at {c.start_pos}, worker holds {seq.num_computed}"
+            )
+        return seq
+
+    def _decode_input(self, c: SeqChunk, seq: WorkerSeq) -> list[int]:
+        if seq.last_token is None or c.num_tokens != 1:
+            raise SchedulerError(
+                f"seq {c.seq_id}: decode entry without a sampled token (num_tokens={c.num_tokens})"
+            )
+        return [seq.last_token]
+
+    @staticmethod
+    def _record_tokens(seq: WorkerSeq, start_pos: int, tokens: list[int]) -> None:
+        """Keep the token history for penalties: prompt part vs generated part (recompute included)."""
+        st = seq.sampling
+        known = len(st.prompt_token_ids) + len(st.output_token_ids)
+        for pos, t in enumerate(tokens, start_pos):
+            if pos < known:
+                continue  # the decode input, already recorded when it was sampled
+            (st.prompt_token_ids if pos < seq.prompt_len else st.output_token_ids).append(t)
