@@ -20,6 +20,7 @@ import importlib
 import inspect
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -77,9 +78,15 @@ class BenchRequest:
 def _module_docs(name: str) -> list[str]:
     """Docstrings of a module, its public classes/functions and their methods, in name order."""
     try:
-        module = importlib.import_module(name)
+        with warnings.catch_warnings():  # e.g. typing's deprecated aliases warn when read
+            warnings.simplefilter("ignore")
+            module = importlib.import_module(name)
+            return _collect_docs(module)
     except ImportError:  # pragma: no cover - every listed module is stdlib
         return []
+
+
+def _collect_docs(module: Any) -> list[str]:
     docs = [inspect.getdoc(module) or ""]
     for attr in sorted(vars(module)):
         obj = getattr(module, attr)
@@ -88,8 +95,10 @@ def _module_docs(name: str) -> list[str]:
         if inspect.isclass(obj) or inspect.isroutine(obj):
             docs.append(inspect.getdoc(obj) or "")
         if inspect.isclass(obj):
-            for member in sorted(vars(obj)):
-                if not member.startswith("_") and inspect.isroutine(vars(obj)[member]):
+            for member, fn in sorted(vars(obj).items()):
+                # other libraries patch stdlib classes (transformers adds logging.Logger methods)
+                own = getattr(fn, "__module__", module.__name__) == module.__name__
+                if not member.startswith("_") and inspect.isroutine(fn) and own:
                     docs.append(inspect.getdoc(getattr(obj, member)) or "")
     return docs
 
