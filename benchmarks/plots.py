@@ -37,6 +37,15 @@ def _num(value: Any) -> float:
     return float("nan") if value is None else float(value)
 
 
+def _clients_axis(ax: Any, results: Sequence[Record]) -> None:
+    """Log-2 x axis with one plain-integer tick per measured client count."""
+    clients = sorted({int(r["clients"]) for r in results})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(clients, [str(c) for c in clients])
+    ax.minorticks_off()
+    ax.set_xlabel("clients")
+
+
 def _save(fig: plt.Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,9 +100,8 @@ def plot_effective_throughput(
         if prompt_rate is not None:
             title += f", prompt {prompt_rate:g} tok/s"
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("clients")
+        _clients_axis(ax, results)
         ax.set_ylabel(key.replace("_", " "))
-        ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     return _save(fig, path)
@@ -107,9 +115,8 @@ def plot_token_latency(results: Sequence[Record], path: str | Path) -> Path:
         for label, rows in _by_label(results).items():
             ax.plot([r["clients"] for r in rows], [_num(r[key]) for r in rows], marker="o", label=label)
         ax.set_title(key.replace("_", " "))
-        ax.set_xlabel("clients")
+        _clients_axis(ax, results)
         ax.set_ylabel("seconds")
-        ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     return _save(fig, path)
