@@ -152,3 +152,12 @@ def test_stop_matcher_is_chunking_invariant():
         m = StopMatcher(stops)
         got = "".join(m.push(text[i : i + step]) for i in range(0, len(text), step)) + m.flush()
         assert got == expected and m.stop_reason == "abc"
+
+
+def test_generation_ending_mid_character_flushes_like_full_decode(tok):
+    ids = tok.encode(CJK, add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    deltas, s = stream_one_by_one(tok, ids[:cut])
+    assert all("\ufffd" not in d for d in deltas[:-1])  # only the final flush may show it
+    assert "".join(deltas) == tok.decode(ids[:cut])
+    check_stream_equals_all(tok, ids[:cut])

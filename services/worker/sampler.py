@@ -37,6 +37,9 @@ from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import TokenLogprob
 
 _NEG_INF = float("-inf")
+_PARTIAL_SORT_FRACTION = 8
+"""When every row's top_k is at most V / this, top_k/top_p work on ``topk(k_max)``, not a full sort
+(tokens tied with the k-th logit but beyond position k_max are then dropped)."""
 
 
 @dataclass
@@ -134,41 +137,50 @@ def apply_eos_ban(logits: torch.Tensor, states: list[SeqSamplingState], eos_toke
 def apply_penalties(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
     """Steps 2-3 on ``logits [S, V]`` (fp32): repetition, then presence / frequency penalties.
 
-    Only rows with a penalty are touched. Token ids ``>= V`` are ignored. Returns ``logits``.
+    Only rows with a penalty are touched; the work is gather/scatter over each row's token ids
+    (``O(S * num_tokens)``), plus one padded copy of the penalised rows. Token ids outside
+    ``[0, V)`` are ignored (routed to a scratch column). Returns the penalised logits (a new tensor
+    when every row is penalised, else ``logits`` updated in place).
     """
     rows = [i for i, st in enumerate(states) if st.params.has_penalties]
     if not rows:
         return logits
     device = logits.device
-    num_rows, vocab = len(rows), logits.shape[1]
-    sub = logits[rows] if len(rows) < len(states) else logits
+    vocab = logits.shape[1]
     sel = [states[i] for i in rows]
-    outputs = _pad_ids(
-        [torch.tensor(st.output_token_ids, dtype=torch.long, device=device) for st in sel], vocab, device
-    ).clamp_(0, vocab)
-    # counts[r, t] = occurrences of t among row r's output tokens; column V absorbs padding
-    counts = torch.zeros((num_rows, vocab + 1), dtype=torch.float32, device=device)
-    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
-    counts = counts[:, :vocab]
+    # one scratch column at index V absorbs padding and out-of-range ids
+    padded = torch.nn.functional.pad(logits[rows] if len(rows) < len(states) else logits, (0, 1))
 
-    rep = torch.tensor([st.params.repetition_penalty for st in sel], dtype=torch.float32, device=device)
-    if bool((rep != 1.0).any()):
-        prompts = _pad_ids([st.prompt_tensor(device) for st in sel], vocab, device).clamp_(0, vocab)
-        seen = torch.zeros((num_rows, vocab + 1), dtype=torch.bool, device=device)
-        seen.scatter_(1, prompts, True)
-        seen = seen[:, :vocab] | (counts > 0)
-        rep = rep.unsqueeze(1)
-        penalised = torch.where(sub < 0, sub * rep, sub / rep)
-        sub = torch.where(seen, penalised, sub)
+    def ids_tensor(seqs: list[torch.Tensor]) -> torch.Tensor:
+        ids = _pad_ids(seqs, vocab, device)
+        return ids.masked_fill_((ids < 0) | (ids > vocab), vocab)
 
-    presence = _row_tensor([st.params.presence_penalty for st in sel], device)
-    frequency = _row_tensor([st.params.frequency_penalty for st in sel], device)
-    sub = sub - presence * (counts > 0).to(torch.float32) - frequency * counts
+    outputs = ids_tensor([torch.tensor(st.output_token_ids, dtype=torch.long, device=device) for st in sel])
 
+    rep = [st.params.repetition_penalty for st in sel]
+    if any(r != 1.0 for r in rep):
+        prompts = ids_tensor([st.prompt_tensor(device) for st in sel])
+        seen = torch.cat([prompts, outputs], dim=1)
+        score = padded.gather(1, seen)
+        rep_t = _row_tensor(rep, device)
+        score = torch.where(score < 0, score * rep_t, score / rep_t)
+        padded.scatter_(1, seen, score)  # duplicates write the same value
+
+    presence = [st.params.presence_penalty for st in sel]
+    frequency = [st.params.frequency_penalty for st in sel]
+    if any(presence) or any(frequency):
+        # frequency at every occurrence, presence at the first occurrence of each distinct id
+        sorted_out = outputs.sort(dim=1).values
+        first = torch.ones_like(sorted_out, dtype=torch.bool)
+        first[:, 1:] = sorted_out[:, 1:] != sorted_out[:, :-1]
+        delta = _row_tensor(frequency, device) + _row_tensor(presence, device) * first.to(torch.float32)
+        padded.scatter_add_(1, sorted_out, -delta)
+
+    result = padded[:, :vocab]
     if len(rows) < len(states):
-        logits[rows] = sub
+        logits[rows] = result
         return logits
-    return sub
+    return result.contiguous()
 
 
 def apply_warpers(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
@@ -185,15 +197,23 @@ def apply_warpers(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch
     if any(t != 1.0 for t in temps):
         logits = logits / _row_tensor(temps, device)
 
-    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
-    ks = [min(k, vocab) for k in ks]
+    ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    k_max = max(ks)
     use_top_k = any(k < vocab for k in ks)
     use_top_p = any(p.top_p < 1.0 for p in params)
     if use_top_k or use_top_p:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
+        # ascending order of the candidates: the whole row, or (when every row has a small top_k)
+        # only the k_max largest, found with topk instead of a full sort
+        partial = k_max <= vocab // _PARTIAL_SORT_FRACTION
+        if partial:
+            values, index = torch.topk(logits, k_max, dim=-1, sorted=True)
+            sorted_logits, sorted_idx = values.flip(-1), index.flip(-1)
+        else:
+            sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
+        width = sorted_logits.shape[1]
         if use_top_k:
-            # k-th largest logit sits at ascending position V - k
-            kth_pos = torch.tensor([vocab - k for k in ks], dtype=torch.long, device=device).unsqueeze(1)
+            # the k-th largest logit sits at ascending position width - k; ties with it survive
+            kth_pos = torch.tensor([width - k for k in ks], dtype=torch.long, device=device).unsqueeze(1)
             kth = sorted_logits.gather(1, kth_pos)
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
         if use_top_p:
@@ -202,7 +222,8 @@ def apply_warpers(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch
             remove = (cum <= (1 - top_p)) & (top_p < 1.0)
             remove[:, -1] = False
             sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
-        logits = torch.empty_like(sorted_logits).scatter_(1, sorted_idx, sorted_logits)
+        base = torch.full_like(logits, _NEG_INF) if partial else torch.empty_like(logits)
+        logits = base.scatter_(1, sorted_idx, sorted_logits)
 
     if any(p.min_p > 0 for p in params):
         min_p = _row_tensor([p.min_p for p in params], device)
