@@ -143,6 +143,8 @@ class SamplingParams:
     def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
         """Build from keyword arguments, then validate.
 
+        ``stop`` may be a single string; ``stop`` / ``stop_token_ids`` may be None (= empty).
+
         Raises:
             InvalidRequestError: a keyword is not a SamplingParams field (``param`` names it).
             InvalidParameterError: a value is out of range.
@@ -154,12 +156,13 @@ class SamplingParams:
                 f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}",
                 param=unknown[0],
             )
+        # transport / OpenAI conveniences: a single stop string, null lists
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        for name in ("stop", "stop_token_ids"):
+            if name in kwargs and (kwargs[name] is None or isinstance(kwargs[name], tuple)):
+                kwargs[name] = list(kwargs[name] or [])
         params = cls(**kwargs)
-        if isinstance(params.stop, str):
-            params.stop = [params.stop]
-        params.stop = list(params.stop) if isinstance(params.stop, tuple) else params.stop
-        if isinstance(params.stop_token_ids, tuple):
-            params.stop_token_ids = list(params.stop_token_ids)
         return params.validate()
 
     def to_dict(self) -> dict[str, Any]:

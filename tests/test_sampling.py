@@ -113,6 +113,10 @@ def test_from_kwargs_rejects_unknown_keyword():
     with pytest.raises(InvalidParameterError):
         SamplingParams.from_kwargs(top_p=2.0)
     assert SamplingParams.from_kwargs(stop="###").stop == ["###"]
+    assert SamplingParams.from_kwargs(stop=None, stop_token_ids=(3,)).stop_token_ids == [3]
+    with pytest.raises(InvalidParameterError) as exc:
+        SamplingParams.from_kwargs(stop=5)
+    assert exc.value.param == "stop"
 
 
 def test_dict_round_trip_is_json_able():
