@@ -240,6 +240,8 @@ def _from_gguf(path: pathlib.Path, name: str, cache: pathlib.Path, progress: boo
             raise ModelLoadError(f"cannot create cache directory {root}: {exc}") from exc
         with _file_lock(root / f"{target.name}.lock"):
             if not target.is_dir():  # another process may have finished while we waited
+                for stale in root.glob(f".tmp-{target.name}-*"):  # left by a killed converter
+                    shutil.rmtree(stale, ignore_errors=True)
                 _convert_gguf(path, target, digest, progress)
     return ModelSource(path=target, name=name, config=_load_config(target))
 

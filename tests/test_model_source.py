@@ -202,7 +202,6 @@ def test_missing_package_says_how_to_install(monkeypatch):
 # --------------------------------------------------------------------------- conversion fidelity
 
 
-@pytest.mark.slow
 def test_converted_logits_match_gguf_model(smollm2_source: ModelSource):
     """The cached safetensors model computes the same logits as transformers' own GGUF load."""
     from transformers import AutoModelForCausalLM
@@ -218,3 +217,52 @@ def test_converted_logits_match_gguf_model(smollm2_source: ModelSource):
         expected = reference(ids).logits
         actual = converted(ids).logits
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_concurrent_resolves_convert_once(tmp_path, monkeypatch):
+    """Two resolvers of one new GGUF file: the file lock lets exactly one convert; both get its cache."""
+    import threading
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF" + b"\x00" * 64)
+    tiny = _tiny_llama_dir(tmp_path / "tiny")
+    calls = []
+
+    def fake_convert(path, target, digest, progress):
+        calls.append(path)
+        time.sleep(0.5)
+        staging = target.with_name(".tmp-" + target.name + "-x")
+        staging.mkdir()
+        (staging / "config.json").write_bytes((tiny / "config.json").read_bytes())
+        staging.rename(target)
+
+    monkeypatch.setattr(model_source, "_convert_gguf", fake_convert)
+    results: list[ModelSource] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(resolve_model(fake, cache_dir=tmp_path / "cache")))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert len(results) == 2 and results[0].path == results[1].path
+    assert results[0].name == "fake"
+
+
+def test_stale_temp_dir_from_killed_conversion_is_removed(tmp_path, monkeypatch):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF" + b"\x01" * 64)
+    tiny = _tiny_llama_dir(tmp_path / "tiny")
+    digest = model_source.gguf_sha256(fake)
+    stale = tmp_path / "cache" / "gguf" / f".tmp-fake-{digest[:16]}-abc"
+    stale.mkdir(parents=True)
+
+    def fake_convert(path, target, digest, progress):
+        target.mkdir()
+        (target / "config.json").write_bytes((tiny / "config.json").read_bytes())
+
+    monkeypatch.setattr(model_source, "_convert_gguf", fake_convert)
+    resolve_model(fake, cache_dir=tmp_path / "cache")
+    assert not stale.exists()
