@@ -262,6 +262,8 @@ def _exponential(states: list[SeqSamplingState], rows: list[int], vocab: int, de
     for j, i in enumerate(rows):  # per-row seeded generators: unavoidable loop
         gen = states[i].generator
         if gen is not None:
+            # re-seed per output position: a recomputed (preempted) sequence draws the same noise
+            gen.manual_seed((states[i].params.seed * 1_000_003 + len(states[i].output_token_ids)) % (1 << 63))
             q[j] = (
                 torch.empty(vocab, dtype=torch.float32, device=gen.device)
                 .exponential_(generator=gen)

@@ -1,0 +1,39 @@
+"""fuseserve: LLM serving with Dynamic SplitFuse (DeepSpeed-FastGen), in process or as a service.
+
+    import fuseserve
+    pipe = fuseserve.pipeline("smollm2-135m-instruct")
+    pipe(["What is 2+2?"], max_new_tokens=32, temperature=0.0)[0].text
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+__all__ = ["pipeline", "Pipeline", "Client", "Response", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from fuseserve.client import Client
+    from fuseserve.outputs import Response
+    from fuseserve.engine import Pipeline, pipeline
+    from fuseserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):  # lazy: importing fuseserve must not import torch
+    if name in ("pipeline", "Pipeline"):
+        from fuseserve import engine as module
+
+        return getattr(module, name)
+    if name == "Client":
+        from fuseserve.client import Client
+
+        return Client
+    if name == "Response":
+        from fuseserve.outputs import Response
+
+        return Response
+    if name == "SamplingParams":
+        from fuseserve.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,268 @@
+"""The in-process (non-persistent) mode: scheduler + model runner in the calling process.
+
+``fuseserve.pipeline(model)`` resolves and loads the model, sizes the KV cache, chooses the token
+budget, and starts one engine thread that runs SplitFuse steps while requests exist. Any number of
+threads may call the pipeline at once; their requests share forward passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from fuseserve.config import EngineConfig
+from fuseserve.detokenizer import DetokenizeStream
+from fuseserve.errors import ContextLengthExceededError, FuseServeError, InvalidRequestError
+from fuseserve.model_source import resolve_model
+from fuseserve.outputs import Response
+from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.engine_loop import EngineLoop
+from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
+from fuseserve.scheduler.sequence import FinishReason, Sequence
+from fuseserve.worker.model_runner import ModelRunner
+from fuseserve.worker.profiler import choose_token_budget
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Request:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: DetokenizeStream
+    events: queue.Queue = field(default_factory=queue.Queue)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def response(self) -> Response:
+        return Response(self.detok.text, self.token_ids, len(self.prompt_ids), len(self.token_ids),
+                        self.finish_reason or "abort", self.logprobs, self.top_logprobs)
+
+
+class Pipeline:
+    """Generate with one model in this process. See ``fuseserve.pipeline`` for the arguments."""
+
+    def __init__(self, model: str, *, token_budget: int | None = None, max_num_seqs: int = 256,
+                 kv_cache_memory: int | str | None = None, policy: str = "splitfuse", block_size: int = 16,
+                 device: str | None = None, dtype: str | None = None, cache_dir: str | None = None,
+                 progress: bool = True):
+        self.config = EngineConfig(token_budget=token_budget, max_num_seqs=max_num_seqs, block_size=block_size,
+                                   kv_cache_memory=kv_cache_memory, policy=policy, device=device, dtype=dtype)
+        self.config.validate()
+        self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
+        self.tokenizer = self.source.load_tokenizer()
+        self.eos_token_ids = self.source.eos_token_ids()
+        self.runner = ModelRunner(self.source.path, self.source.config, self.eos_token_ids, self.config,
+                                  progress=progress)
+        info = self.runner.info
+        self.token_budget = token_budget or choose_token_budget(self.runner, str(self.source.path), cache_dir)
+        self.max_model_len = info.max_model_len
+        self.scheduler = Scheduler(self.config, self.eos_token_ids)
+        self.scheduler.add_worker("local", info.num_blocks, info.block_size, info.max_model_len, self.token_budget)
+        self.loop = EngineLoop(self.scheduler, {"local": self.runner})
+        self._ids = itertools.count()
+        self._requests: dict[int, _Request] = {}
+        self._commands: list[tuple[str, object]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._engine, name="fuseserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    # ----- public API -----
+    def __call__(self, prompts: Prompt | list[Prompt], **kwargs) -> list[Response]:
+        """Generate for each prompt (text or token ids); returns one ``Response`` per prompt, in order.
+
+        Raises ``InvalidParameterError`` / ``InvalidRequestError`` (unknown keyword, bad value, empty
+        prompt without BOS) and ``ContextLengthExceededError`` before anything runs.
+        """
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        params = SamplingParams.from_kwargs(**kwargs).validate()
+        ids = [self._encode(p) for p in batch]
+        for p in ids:
+            self._check_length(p, params)
+        reqs = [self._submit(p, params) for p in ids]
+        return [self._collect(r) for r in reqs]
+
+    def stream(self, prompt: Prompt, **kwargs) -> Iterator[str]:
+        """Yield text deltas as they are produced; joined, they equal the non-streamed text."""
+        params = SamplingParams.from_kwargs(**kwargs).validate()
+        ids = self._encode(prompt)
+        self._check_length(ids, params)
+        req = self._submit(ids, params)
+        return self._iter(req)
+
+    def chat(self, messages: list[dict], **kwargs) -> Response:
+        """Apply the model's chat template (with the generation prompt) and generate one response."""
+        return self(self.chat_prompt_ids(messages), **kwargs)[0]
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` rendered by the tokenizer's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; send a plain prompt", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors on malformed messages
+            raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from e
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def close(self) -> None:
+        """Stop the engine thread (pending requests finish with ``abort``)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ----- request side (caller threads) -----
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} outside [0, {self.runner.vocab_size})", param="prompt")
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
+        if not ids:
+            bos = self.tokenizer.bos_token_id
+            if bos is None:
+                raise InvalidRequestError("empty prompt and the model has no BOS token", param="prompt")
+            ids = [bos]
+        return ids
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) + params.max_new_tokens > self.max_model_len:
+            raise ContextLengthExceededError(len(ids), params.max_new_tokens, self.max_model_len)
+
+    def _submit(self, ids: list[int], params: SamplingParams) -> _Request:
+        if self._closed:
+            raise FuseServeError("pipeline is closed")
+        req = _Request(next(self._ids), ids, params,
+                       DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output))
+        self._command("add", req)
+        return req
+
+    def _command(self, kind: str, payload: object) -> None:
+        with self._cv:
+            self._commands.append((kind, payload))
+            self._cv.notify()
+
+    def _collect(self, req: _Request) -> Response:
+        for _ in self._iter(req):
+            pass
+        return req.response()
+
+    def _iter(self, req: _Request) -> Iterator[str]:
+        try:
+            while req.finish_reason is None:
+                ev = req.events.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                delta = self._apply(req, ev)
+                if delta:
+                    yield delta
+        finally:
+            if req.finish_reason is None:  # the consumer stopped early
+                req.finish_reason = FinishReason.ABORT.value
+                self._command("abort", req.seq_id)
+
+    def _apply(self, req: _Request, ev: TokenEvent) -> str:
+        delta = ""
+        if ev.token is not None:
+            req.token_ids.append(ev.token.token_id)
+            if ev.token.logprob is not None:
+                req.logprobs.append(ev.token.logprob)
+                req.top_logprobs.append(ev.token.top_logprobs)
+            if not ev.hidden:
+                delta = req.detok.push([ev.token.token_id])
+            if req.detok.stopped:
+                req.finish_reason = FinishReason.STOP.value
+                self._command("abort", req.seq_id)
+                return delta
+        if ev.finish_reason is not None:
+            req.finish_reason = ev.finish_reason.value
+            delta += req.detok.finish()
+        return delta
+
+    # ----- engine thread -----
+    def _engine(self) -> None:
+        while True:
+            with self._cv:
+                while not self._commands and not self.scheduler.has_work and not self._closed:
+                    self._cv.wait()
+                commands, self._commands = self._commands, []
+                closed = self._closed
+            for kind, payload in commands:
+                self._apply_command(kind, payload)
+            if closed:
+                break
+            if not self.scheduler.has_work:
+                continue
+            try:
+                events = self.loop.step()
+            except Exception as e:  # an engine bug must not hang callers
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            if not self.loop.workers:
+                self._fail_all(FuseServeError("the model runner failed; see the log"))
+            for ev in events:
+                req = self._requests.get(ev.seq_id)
+                if req is not None:
+                    req.events.put(ev)
+                    if ev.finish_reason is not None:
+                        self._requests.pop(ev.seq_id, None)
+        self._fail_all(FuseServeError("pipeline closed"), finish=True)
+
+    def _apply_command(self, kind: str, payload) -> None:
+        if kind == "add":
+            req: _Request = payload
+            try:
+                self.scheduler.add(Sequence(req.seq_id, req.prompt_ids, req.params))
+                self._requests[req.seq_id] = req
+            except FuseServeError as e:
+                req.events.put(e)
+        elif kind == "abort":
+            self.scheduler.abort(payload)
+            self._requests.pop(payload, None)
+
+    def _fail_all(self, error: Exception, finish: bool = False) -> None:
+        for sid, req in list(self._requests.items()):
+            self.scheduler.abort(sid)
+            req.events.put(TokenEvent(sid, None, FinishReason.ABORT) if finish else error)
+        self._requests.clear()
+
+
+def pipeline(model: str = "smollm2-135m-instruct", *, token_budget: int | None = None, max_num_seqs: int = 256,
+             kv_cache_memory: int | str | None = None, policy: str = "splitfuse", **kwargs) -> Pipeline:
+    """Load ``model`` (alias, Hugging Face directory or .gguf file) for in-process generation.
+
+    token_budget: tokens per forward pass; None → chosen by profiling this device (cached).
+    max_num_seqs: sequences per pass. kv_cache_memory: bytes or "512MiB"/"2GiB" (default: 1 GiB
+    on CPU, 85% of free GPU memory on CUDA). policy: "splitfuse", "prefill_first", "whole_prompt".
+    Other keywords: block_size, device, dtype, cache_dir, progress.
+    Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
+    """
+    return Pipeline(model, token_budget=token_budget, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
+                    policy=policy, **kwargs)

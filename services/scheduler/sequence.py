@@ -1,0 +1,68 @@
+"""A request's sequence as the scheduler sees it: token ids, counters and state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from fuseserve.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted and waiting for recompute
+    RUNNING = "running"  # admitted on a worker; KV blocks reserved there
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context window reached
+    ABORT = "abort"  # the client went away or asked to cancel
+
+
+@dataclass
+class Sequence:
+    """One request's tokens (prompt + generated) and progress.
+
+    num_computed_tokens: tokens whose K/V the worker holds (reset to 0 by a preemption).
+    num_preemptions: times this sequence was preempted (recompute) so far.
+    worker: the worker the sequence runs on while RUNNING, else None.
+    admitted_at: a counter value when it was last admitted (preemption picks the largest).
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    worker: str | None = None
+    admitted_at: int = -1
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known: prompt + generated."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Known tokens whose K/V are not cached yet (1 for a sequence in decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the last sampled token remain to run (prompt or recompute)."""
+        return self.num_uncomputed > 1 or not self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Known token ids ``start:end`` (prompt then generated)."""
+        p = self.prompt_len
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -1,0 +1,74 @@
+"""Choose the token budget by measuring forward latency against tokens per pass (DESIGN rule 4).
+
+Throughput ``n / latency(n)`` rises with the pass size and saturates (paper §3.1: concave). The
+budget is the knee: the smallest measured size whose throughput reaches ``KNEE_FRACTION`` of the
+best. Results are cached per model + device + dtype + torch version + thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import SeqChunk, StepPlan
+
+log = logging.getLogger(__name__)
+
+KNEE_FRACTION = 0.9
+PROFILE_SIZES = (32, 64, 128, 256, 512)
+_PROFILE_SEQ_ID = -1  # never handed out to requests (sequence ids are >= 0)
+
+
+def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, float]:
+    """Seconds per forward pass of one ``n``-token prompt chunk, best of ``repeats``, for each size."""
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=1)
+    curve = {}
+    for n in (sizes[0], *sizes):  # the first run warms up
+        tokens = torch.randint(0, runner.vocab_size, (n,), generator=g).tolist()
+        best = float("inf")
+        for _ in range(repeats):
+            plan = StepPlan(-1, [SeqChunk(_PROFILE_SEQ_ID, 0, n, tokens, sample=True, params=params, prompt_len=n)])
+            t0 = time.perf_counter()
+            runner.run_pass(plan)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            best = min(best, time.perf_counter() - t0)
+            runner.free([_PROFILE_SEQ_ID])
+        curve[n] = best
+    return curve
+
+
+def knee(curve: dict[int, float], fraction: float = KNEE_FRACTION) -> int:
+    """Smallest pass size whose throughput (tokens/s) is at least ``fraction`` of the best."""
+    tput = {n: n / s for n, s in curve.items()}
+    best = max(tput.values())
+    return min(n for n, t in tput.items() if t >= fraction * best)
+
+
+def choose_token_budget(runner, model_key: str, cache_dir: Path | None = None) -> int:
+    """Profile (or read the cached profile) and return the knee; logs the curve and the choice."""
+    key = f"{model_key}|{runner.device}|{runner.dtype}|torch{torch.__version__}|threads{torch.get_num_threads()}"
+    cache_dir = Path(cache_dir or os.environ.get("FUSESERVE_CACHE", Path.home() / ".cache" / "fuseserve"))
+    path = cache_dir / "token_budget.json"
+    table = json.loads(path.read_text()) if path.exists() else {}
+    if key in table:
+        curve = {int(k): v for k, v in table[key].items()}
+    else:
+        log.info("profiling forward latency to choose the token budget (cached afterwards)")
+        curve = measure_curve(runner)
+        table[key] = curve
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    budget = knee(curve)
+    log.info("forward throughput by pass size: %s → token budget %d",
+             ", ".join(f"{n}: {n / s:.0f} tok/s" for n, s in sorted(curve.items())), budget)
+    return budget
