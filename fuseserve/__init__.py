@@ -1,8 +1,8 @@
 """fuseserve: LLM serving with Dynamic SplitFuse (DeepSpeed-FastGen), in process or as a service.
 
-    import fuseserve
-    pipe = fuseserve.pipeline("smollm2-135m-instruct")
-    pipe(["What is 2+2?"], max_new_tokens=32, temperature=0.0)[0].text
+import fuseserve
+pipe = fuseserve.pipeline("smollm2-135m-instruct")
+pipe(["What is 2+2?"], max_new_tokens=32, temperature=0.0)[0].text
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ __all__ = ["pipeline", "Pipeline", "Client", "Response", "SamplingParams"]
 
 if TYPE_CHECKING:
     from fuseserve.client import Client
-    from fuseserve.outputs import Response
     from fuseserve.engine import Pipeline, pipeline
+    from fuseserve.outputs import Response
     from fuseserve.sampling_params import SamplingParams
 
 

@@ -44,30 +44,57 @@ class _Request:
     finish_reason: str | None = None
 
     def response(self) -> Response:
-        return Response(self.detok.text, self.token_ids, len(self.prompt_ids), len(self.token_ids),
-                        self.finish_reason or "abort", self.logprobs, self.top_logprobs)
+        return Response(
+            self.detok.text,
+            self.token_ids,
+            len(self.prompt_ids),
+            len(self.token_ids),
+            self.finish_reason or "abort",
+            self.logprobs,
+            self.top_logprobs,
+        )
 
 
 class Pipeline:
     """Generate with one model in this process. See ``fuseserve.pipeline`` for the arguments."""
 
-    def __init__(self, model: str, *, token_budget: int | None = None, max_num_seqs: int = 256,
-                 kv_cache_memory: int | str | None = None, policy: str = "splitfuse", block_size: int = 16,
-                 device: str | None = None, dtype: str | None = None, cache_dir: str | None = None,
-                 progress: bool = True):
-        self.config = EngineConfig(token_budget=token_budget, max_num_seqs=max_num_seqs, block_size=block_size,
-                                   kv_cache_memory=kv_cache_memory, policy=policy, device=device, dtype=dtype)
+    def __init__(
+        self,
+        model: str,
+        *,
+        token_budget: int | None = None,
+        max_num_seqs: int = 256,
+        kv_cache_memory: int | str | None = None,
+        policy: str = "splitfuse",
+        block_size: int = 16,
+        device: str | None = None,
+        dtype: str | None = None,
+        cache_dir: str | None = None,
+        progress: bool = True,
+    ):
+        self.config = EngineConfig(
+            token_budget=token_budget,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            policy=policy,
+            device=device,
+            dtype=dtype,
+        )
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
         self.tokenizer = self.source.load_tokenizer()
         self.eos_token_ids = self.source.eos_token_ids()
-        self.runner = ModelRunner(self.source.path, self.source.config, self.eos_token_ids, self.config,
-                                  progress=progress)
+        self.runner = ModelRunner(
+            self.source.path, self.source.config, self.eos_token_ids, self.config, progress=progress
+        )
         info = self.runner.info
         self.token_budget = token_budget or choose_token_budget(self.runner, str(self.source.path), cache_dir)
         self.max_model_len = info.max_model_len
         self.scheduler = Scheduler(self.config, self.eos_token_ids)
-        self.scheduler.add_worker("local", info.num_blocks, info.block_size, info.max_model_len, self.token_budget)
+        self.scheduler.add_worker(
+            "local", info.num_blocks, info.block_size, info.max_model_len, self.token_budget
+        )
         self.loop = EngineLoop(self.scheduler, {"local": self.runner})
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
@@ -88,7 +115,9 @@ class Pipeline:
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` (unknown keyword, bad value, empty
         prompt without BOS) and ``ContextLengthExceededError`` before anything runs.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        )
         batch = [prompts] if single else list(prompts)
         params = SamplingParams.from_kwargs(**kwargs).validate()
         ids = [self._encode(p) for p in batch]
@@ -112,7 +141,9 @@ class Pipeline:
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of ``messages`` rendered by the tokenizer's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template; send a plain prompt", param="messages")
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt", param="messages"
+            )
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja errors on malformed messages
@@ -140,7 +171,9 @@ class Pipeline:
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
             if bad:
-                raise InvalidRequestError(f"token id {bad[0]} outside [0, {self.runner.vocab_size})", param="prompt")
+                raise InvalidRequestError(
+                    f"token id {bad[0]} outside [0, {self.runner.vocab_size})", param="prompt"
+                )
             ids = list(prompt)
         else:
             raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
@@ -158,8 +191,12 @@ class Pipeline:
     def _submit(self, ids: list[int], params: SamplingParams) -> _Request:
         if self._closed:
             raise FuseServeError("pipeline is closed")
-        req = _Request(next(self._ids), ids, params,
-                       DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output))
+        req = _Request(
+            next(self._ids),
+            ids,
+            params,
+            DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output),
+        )
         self._command("add", req)
         return req
 
@@ -254,8 +291,15 @@ class Pipeline:
         self._requests.clear()
 
 
-def pipeline(model: str = "smollm2-135m-instruct", *, token_budget: int | None = None, max_num_seqs: int = 256,
-             kv_cache_memory: int | str | None = None, policy: str = "splitfuse", **kwargs) -> Pipeline:
+def pipeline(
+    model: str = "smollm2-135m-instruct",
+    *,
+    token_budget: int | None = None,
+    max_num_seqs: int = 256,
+    kv_cache_memory: int | str | None = None,
+    policy: str = "splitfuse",
+    **kwargs,
+) -> Pipeline:
     """Load ``model`` (alias, Hugging Face directory or .gguf file) for in-process generation.
 
     token_budget: tokens per forward pass; None → chosen by profiling this device (cached).
@@ -264,5 +308,11 @@ def pipeline(model: str = "smollm2-135m-instruct", *, token_budget: int | None =
     Other keywords: block_size, device, dtype, cache_dir, progress.
     Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
     """
-    return Pipeline(model, token_budget=token_budget, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
-                    policy=policy, **kwargs)
+    return Pipeline(
+        model,
+        token_budget=token_budget,
+        max_num_seqs=max_num_seqs,
+        kv_cache_memory=kv_cache_memory,
+        policy=policy,
+        **kwargs,
+    )

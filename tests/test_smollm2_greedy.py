@@ -23,17 +23,21 @@ CHATS = [
 PLAIN = [
     "Hello",  # ~1-5 tokens
     "The quick brown fox jumps over the lazy dog. Then the dog",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
 ]
-LONG = ("In the beginning of the nineteenth century, the city grew quickly along the river, and merchants "
-        "from many countries came to trade wool, grain, timber and iron. ")
+LONG = (
+    "In the beginning of the nineteenth century, the city grew quickly along the river, and merchants "
+    "from many countries came to trade wool, grain, timber and iron. "
+)
 
 
 @pytest.fixture(scope="module")
 def pipe(smollm2_source):
     import fuseserve
 
-    p = fuseserve.pipeline(str(smollm2_source.path), token_budget=128, kv_cache_memory="256MiB", progress=False)
+    p = fuseserve.pipeline(
+        str(smollm2_source.path), token_budget=128, kv_cache_memory="256MiB", progress=False
+    )
     yield p
     p.close()
 
@@ -58,10 +62,16 @@ def reference(smollm2_source, prompts):
     out = []
     with torch.no_grad():
         for ids in prompts:
-            g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                            return_dict_in_generate=True, pad_token_id=hf.generation_config.eos_token_id)
-            tokens = g.sequences[0, len(ids):].tolist()
+            g = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=hf.generation_config.eos_token_id,
+            )
+            tokens = g.sequences[0, len(ids) :].tolist()
             out.append((tokens, [step[0] for step in g.logits]))
     return out
 
@@ -70,7 +80,9 @@ def assert_matches(ours: list[int], ref_tokens: list[int], ref_logits: list[torc
     for i, (a, b) in enumerate(zip(ours, ref_tokens, strict=False)):
         if a != b:
             gap = (ref_logits[i][b] - ref_logits[i][a]).abs().item()
-            assert gap < NEAR_TIE, f"{what}: token {i} is {a}, transformers {b}, logit gap {gap:.2e} (not a near-tie)"
+            assert gap < NEAR_TIE, (
+                f"{what}: token {i} is {a}, transformers {b}, logit gap {gap:.2e} (not a near-tie)"
+            )
             return  # after an accepted near-tie flip the continuations legitimately differ
     assert len(ours) == len(ref_tokens), f"{what}: {len(ours)} tokens, transformers {len(ref_tokens)}"
 
@@ -94,6 +106,8 @@ def test_together_matches_transformers(pipe, prompts, reference, budget):
 
 
 def test_capital_of_france(pipe):
-    r = pipe.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=32, temperature=0)
+    r = pipe.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=32, temperature=0
+    )
     assert r.text == "The capital of France is Paris."
     assert r.finish_reason == "stop"

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
+
 from fuseserve.types import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class EngineLoop:
         if not plans:
             return []
         if len(plans) == 1:
-            (name, plan), = plans.items()
+            ((name, plan),) = plans.items()
             futures = {name: None}
             results = {name: self._run(name, plan)}
         else:

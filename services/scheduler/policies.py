@@ -44,8 +44,10 @@ def admit_new(sched: Scheduler, split: bool, fits) -> None:
     while sched.waiting:
         seq = sched.waiting[0]
         candidates = [
-            s for s in sched.slots.values()
-            if len(s.entries) < sched.config.max_num_seqs and sched.can_admit(s, seq)
+            s
+            for s in sched.slots.values()
+            if len(s.entries) < sched.config.max_num_seqs
+            and sched.can_admit(s, seq)
             and (s.budget_left > 0 if split else fits(s, seq.num_tokens))
         ]
         if not candidates:

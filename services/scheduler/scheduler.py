@@ -21,11 +21,12 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-from fuseserve.config import EngineConfig
-from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
 from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.policies import Policy, get_policy
-from fuseserve.scheduler.sequence import FinishReason, Sequence, SeqStatus
+from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
+
+from fuseserve.config import EngineConfig
+from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ----- workers -----
-    def add_worker(self, name: str, num_blocks: int, block_size: int, max_model_len: int,
-                   token_budget: int | None = None) -> None:
+    def add_worker(
+        self, name: str, num_blocks: int, block_size: int, max_model_len: int, token_budget: int | None = None
+    ) -> None:
         """Register a worker's capacity. ``token_budget`` is the worker's profiled budget."""
         budget = self.config.token_budget or token_budget
         if budget is None:
@@ -121,7 +123,8 @@ class Scheduler:
             if -(-total // block_size) > capacity:
                 raise InvalidRequestError(
                     f"request needs {total} tokens of KV cache; a worker holds at most {capacity * block_size}",
-                    param="max_tokens")
+                    param="max_tokens",
+                )
         seq.status = SeqStatus.WAITING
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
@@ -164,7 +167,9 @@ class Scheduler:
         end = start + n
         decode = not seq.in_prefill  # the worker feeds the token it sampled last
         return SeqChunk(
-            seq_id=seq.seq_id, start_pos=start, num_tokens=n,
+            seq_id=seq.seq_id,
+            start_pos=start,
+            num_tokens=n,
             token_ids=[] if decode else seq.token_slice(start, end),
             sample=end == seq.num_tokens,
             params=seq.params if start == 0 else None,
@@ -215,8 +220,9 @@ class Scheduler:
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence) -> bool:
         """Rule 2: blocks for the whole remaining prompt plus the watermark, and a free sequence slot."""
-        return (len(slot.running) < self.config.max_num_seqs
-                and slot.account.can_reserve(seq.seq_id, seq.num_tokens, self.config.watermark_blocks))
+        return len(slot.running) < self.config.max_num_seqs and slot.account.can_reserve(
+            seq.seq_id, seq.num_tokens, self.config.watermark_blocks
+        )
 
     def admit(self, slot: WorkerSlot, seq: Sequence) -> None:
         """Move the head of the queue onto ``slot``, reserving blocks for all its known tokens."""

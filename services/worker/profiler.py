@@ -34,7 +34,9 @@ def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, fl
         tokens = torch.randint(0, runner.vocab_size, (n,), generator=g).tolist()
         best = float("inf")
         for _ in range(repeats):
-            plan = StepPlan(-1, [SeqChunk(_PROFILE_SEQ_ID, 0, n, tokens, sample=True, params=params, prompt_len=n)])
+            plan = StepPlan(
+                -1, [SeqChunk(_PROFILE_SEQ_ID, 0, n, tokens, sample=True, params=params, prompt_len=n)]
+            )
             t0 = time.perf_counter()
             runner.run_pass(plan)
             if runner.device.type == "cuda":
@@ -69,6 +71,9 @@ def choose_token_budget(runner, model_key: str, cache_dir: Path | None = None) -
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(path)
     budget = knee(curve)
-    log.info("forward throughput by pass size: %s → token budget %d",
-             ", ".join(f"{n}: {n / s:.0f} tok/s" for n, s in sorted(curve.items())), budget)
+    log.info(
+        "forward throughput by pass size: %s → token budget %d",
+        ", ".join(f"{n}: {n / s:.0f} tok/s" for n, s in sorted(curve.items())),
+        budget,
+    )
     return budget

@@ -1,0 +1,146 @@
+"""The ``fuseserve`` command: generate (pipeline), serve (local stack), gateway, scheduler, worker."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from fuseserve.errors import FuseServeError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model alias, Hugging Face checkpoint directory or .gguf file (default: %(default)s)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="tokens per forward pass; default: chosen by profiling this device (cached)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per forward pass (default: 256)")
+    p.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV cache size, bytes or e.g. 512MiB, 2GiB (default: 1GiB on CPU, 85%% of free GPU memory)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
+    p.add_argument(
+        "--policy",
+        default="splitfuse",
+        choices=["splitfuse", "prefill_first", "whole_prompt"],
+        help="scheduling policy (default: splitfuse)",
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16 (default: auto)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument(
+        "--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)"
+    )
+    g.add_argument("--min-new-tokens", type=int, default=0, help="EOS is banned before this many tokens")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers semantics; 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics, [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics, [-2, 2]")
+    g.add_argument("--seed", type=int, default=None, help="per-request seed (same output whatever the batch)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+
+
+def _sampling_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        max_new_tokens=a.max_new_tokens,
+        min_new_tokens=a.min_new_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        seed=a.seed,
+        stop=a.stop,
+        ignore_eos=a.ignore_eos,
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import fuseserve
+
+    pipe = fuseserve.pipeline(
+        a.model,
+        token_budget=a.token_budget,
+        max_num_seqs=a.max_num_seqs,
+        kv_cache_memory=a.kv_cache_memory,
+        policy=a.policy,
+        block_size=a.block_size,
+        device=a.device,
+        dtype=a.dtype,
+    )
+    try:
+        kwargs = _sampling_kwargs(a)
+        for prompt in a.prompts:
+            ids = prompt if a.raw else pipe.chat_prompt_ids([{"role": "user", "content": prompt}])
+            if a.stream:
+                for delta in pipe.stream(ids, **kwargs):
+                    print(delta, end="", flush=True)
+                print()
+            else:
+                print(pipe(ids, **kwargs)[0].text)
+    finally:
+        pipe.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fuseserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser(
+        "generate",
+        help="generate in this process (pipeline mode) and print the answer",
+        description="Generate in this process with Dynamic SplitFuse; prompts go through "
+        "the model's chat template unless --raw.",
+    )
+    g.add_argument("prompts", nargs="+", help="one or more prompts")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument(
+        "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
+    )
+    _engine_args(g)
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    from fuseserve import service_cli
+
+    service_cli.add_parsers(sub, _engine_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return a.func(a)
+    except FuseServeError as e:
+        print(f"fuseserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The gateway ↔ scheduler contract over Redis (DESIGN "The persistent stack").
+
+Keys and streams (all JSON in a single ``data`` field):
+
+- ``REQUESTS`` stream, consumer group ``SCHEDULER_GROUP``: one ``RequestMessage`` per sequence. The
+  scheduler acknowledges (XACK) an entry only when its sequence has finished, so a restarted
+  scheduler re-claims unfinished requests.
+- ``responses_stream(gateway_id)``: one entry per scheduler step and gateway, ``{"events": [...]}``
+  with ``TokenMessage`` dicts for every request of that gateway that produced something.
+- ``CONTROL`` stream: ``ControlMessage`` (abort: client gone, or a stop string matched).
+- ``worker_key(worker_id)``: a worker's ``WorkerRecord``, written with a TTL and refreshed by its
+  heartbeat; a worker whose key expires is dead.
+- ``SEQ_COUNTER``: INCR gives engine-wide unique sequence ids.
+- ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t}``, written each
+  second (the gateway answers 429 when too many requests wait).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+PREFIX = "fuseserve"
+REQUESTS = f"{PREFIX}:requests"
+SCHEDULER_GROUP = "schedulers"
+CONTROL = f"{PREFIX}:control"
+SEQ_COUNTER = f"{PREFIX}:seq_counter"
+SCHEDULER_STATS = f"{PREFIX}:scheduler:stats"
+WORKER_PREFIX = f"{PREFIX}:worker:"
+WORKER_TTL_S = 6  # seconds a worker record lives without a heartbeat
+HEARTBEAT_S = 2  # seconds between heartbeats
+RESPONSE_STREAM_MAXLEN = 100_000
+
+
+def responses_stream(gateway_id: str) -> str:
+    return f"{PREFIX}:responses:{gateway_id}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{WORKER_PREFIX}{worker_id}"
+
+
+@dataclass
+class RequestMessage:
+    """A sequence to generate. ``params`` is ``SamplingParams.to_dict()``; ``arrival`` is epoch seconds."""
+
+    seq_id: int
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    params: dict
+    arrival: float = 0.0
+
+    def encode(self) -> dict[str, str]:
+        return {"data": json.dumps(asdict(self))}
+
+    @classmethod
+    def decode(cls, fields: dict) -> RequestMessage:
+        raw = fields.get("data", fields.get(b"data"))
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class TokenMessage:
+    """One event of a sequence.
+
+    index: position of the token in the output (0-based), so a consumer can drop duplicates after a
+        scheduler restart; -1 for an event without a token.
+    token_id: the token, or None (an abort / error without a token).
+    hidden: the token ended the sequence as EOS / stop token id; it is not part of the text.
+    finish_reason: "stop" | "length" | "abort" on the sequence's last event, else None.
+    error: ``{"message", "type", "status"}`` when the scheduler rejected the request.
+    """
+
+    seq_id: int
+    index: int = -1
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[list] = field(default_factory=list)  # [[token_id, logprob], ...]
+    hidden: bool = False
+    finish_reason: str | None = None
+    error: dict | None = None
+
+
+def encode_events(events: list[TokenMessage]) -> dict[str, str]:
+    return {"data": json.dumps({"events": [asdict(e) for e in events]})}
+
+
+def decode_events(fields: dict) -> list[TokenMessage]:
+    raw = fields.get("data", fields.get(b"data"))
+    return [TokenMessage(**e) for e in json.loads(raw)["events"]]
+
+
+@dataclass
+class ControlMessage:
+    """``kind`` "abort": finish ``seq_id`` now and free its KV blocks (``reason`` "abort" or "stop")."""
+
+    kind: str
+    seq_id: int
+    reason: str = "abort"
+
+    def encode(self) -> dict[str, str]:
+        return {"data": json.dumps(asdict(self))}
+
+    @classmethod
+    def decode(cls, fields: dict) -> ControlMessage:
+        raw = fields.get("data", fields.get(b"data"))
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class WorkerRecord:
+    """What a worker registers: where to reach it and its capacity."""
+
+    worker_id: str
+    address: str  # host:port of its gRPC server
+    model: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    token_budget: int
+    metrics_port: int | None = None
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> WorkerRecord:
+        return cls(**json.loads(raw))
