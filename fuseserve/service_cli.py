@@ -1,7 +1,79 @@
-"""Sub-commands of the persistent stack: serve, gateway, scheduler, worker."""
+"""Sub-commands of the persistent stack: serve, gateway, scheduler, worker.
+
+The Docker Compose file runs exactly these commands (``docker-compose.yml``).
+"""
 
 from __future__ import annotations
 
+import argparse
+
+
+def _redis(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", required=True, help="redis://host:port of the stack's Redis")
+
+
+def _serve(a):
+    from fuseserve.launcher import run_serve
+
+    return run_serve(a)
+
+
+def _gateway(a):
+    from fuseserve.gateway.app import run_gateway
+
+    return run_gateway(a)
+
+
+def _scheduler(a):
+    from fuseserve.scheduler.service import run_scheduler
+
+    return run_scheduler(a)
+
+
+def _worker(a):
+    from fuseserve.worker.server import run_worker
+
+    return run_worker(a)
+
 
 def add_parsers(sub, engine_args) -> None:
-    """Register the service sub-commands (filled in by the server stack)."""
+    """Register ``serve``, ``gateway``, ``scheduler`` and ``worker`` on the ``fuseserve`` parser."""
+    s = sub.add_parser("serve", help="start the whole stack locally (Redis, scheduler, workers, gateway)",
+                       description="Start Redis, the scheduler, N workers and the OpenAI-compatible gateway "
+                                   "on this machine; Ctrl-C stops them all.")
+    engine_args(s)
+    s.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
+    s.add_argument("--host", default="127.0.0.1", help="gateway host (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    s.set_defaults(func=_serve)
+
+    g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    _redis(g)
+    g.add_argument("--model", default="smollm2-135m-instruct", help="model alias, directory or .gguf (tokenizer)")
+    g.add_argument("--host", default="127.0.0.1", help="bind host (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="bind port (default: 8000)")
+    g.add_argument("--max-queue", type=int, default=1024, help="waiting sequences before 429 (default: 1024)")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)")
+    g.add_argument("--metrics-port", type=int, default=None, help="unused: the gateway serves /metrics itself")
+    g.set_defaults(func=_gateway)
+
+    c = sub.add_parser("scheduler", help="the central SplitFuse scheduler")
+    _redis(c)
+    c.add_argument("--token-budget", type=int, default=None, help="tokens per pass (default: each worker's own)")
+    c.add_argument("--max-num-seqs", type=int, default=256, help="sequences per pass (default: 256)")
+    c.add_argument("--policy", default="splitfuse", choices=["splitfuse", "prefill_first", "whole_prompt"])
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must match the workers)")
+    c.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    c.set_defaults(func=_scheduler)
+
+    w = sub.add_parser("worker", help="a model worker (gRPC), registers itself in Redis")
+    _redis(w)
+    engine_args(w)
+    w.add_argument("--host", default="127.0.0.1", help="gRPC bind host (default: 127.0.0.1)")
+    w.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: 50051)")
+    w.add_argument("--advertise-host", default=None, help="host name the scheduler dials (default: --host)")
+    w.add_argument("--worker-id", default=None, help="registry id (default: hostname + random suffix)")
+    w.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    w.set_defaults(func=_worker)

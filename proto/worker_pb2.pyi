@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -32,7 +30,7 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
     dtype: str
-    def __init__(self, worker_id: str | None = ..., model: str | None = ..., block_size: int | None = ..., num_blocks: int | None = ..., max_model_len: int | None = ..., vocab_size: int | None = ..., eos_token_ids: _Iterable[int] | None = ..., device: str | None = ..., dtype: str | None = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output")
@@ -66,7 +64,7 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     logprobs: int
     include_stop_str_in_output: bool
-    def __init__(self, max_new_tokens: int | None = ..., min_new_tokens: int | None = ..., temperature: float | None = ..., top_k: int | None = ..., top_p: float | None = ..., min_p: float | None = ..., repetition_penalty: float | None = ..., presence_penalty: float | None = ..., frequency_penalty: float | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ..., stop_token_ids: _Iterable[int] | None = ..., ignore_eos: bool | None = ..., logprobs: int | None = ..., include_stop_str_in_output: bool | None = ...) -> None: ...
+    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
     __slots__ = ("seq_id", "start_pos", "num_tokens", "token_ids", "sample", "params", "prompt_len")
@@ -84,7 +82,7 @@ class SeqChunk(_message.Message):
     sample: bool
     params: SamplingParams
     prompt_len: int
-    def __init__(self, seq_id: int | None = ..., start_pos: int | None = ..., num_tokens: int | None = ..., token_ids: _Iterable[int] | None = ..., sample: bool | None = ..., params: SamplingParams | _Mapping | None = ..., prompt_len: int | None = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "chunks", "free_seq_ids")
@@ -94,7 +92,7 @@ class StepRequest(_message.Message):
     step_id: int
     chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
     free_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: int | None = ..., chunks: _Iterable[SeqChunk | _Mapping] | None = ..., free_seq_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., free_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -102,7 +100,7 @@ class TokenLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs")
@@ -114,7 +112,7 @@ class SampledToken(_message.Message):
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: int | None = ..., token_id: int | None = ..., logprob: float | None = ..., top_logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "tokens", "forward_seconds", "num_free_blocks")
@@ -126,19 +124,21 @@ class StepResponse(_message.Message):
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_seconds: float
     num_free_blocks: int
-    def __init__(self, step_id: int | None = ..., tokens: _Iterable[SampledToken | _Mapping] | None = ..., forward_seconds: float | None = ..., num_free_blocks: int | None = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "all")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Iterable[int] | None = ...) -> None: ...
+    all: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("num_free_blocks",)
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
-    def __init__(self, num_free_blocks: int | None = ...) -> None: ...
+    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -152,4 +152,4 @@ class HealthResponse(_message.Message):
     ok: bool
     num_free_blocks: int
     num_running_seqs: int
-    def __init__(self, ok: bool | None = ..., num_free_blocks: int | None = ..., num_running_seqs: int | None = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., num_free_blocks: _Optional[int] = ..., num_running_seqs: _Optional[int] = ...) -> None: ...

@@ -32,6 +32,7 @@ class EngineLoop:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(workers)), thread_name_prefix="step")
         self.num_steps = 0
         self.last_plans: dict[str, StepPlan] = {}
+        self.last_forward_seconds: dict[str, float] = {}  # per worker, as the worker reported it
 
     def add_worker(self, name: str, handle: WorkerHandle) -> None:
         self.workers[name] = handle
@@ -42,6 +43,7 @@ class EngineLoop:
         """Schedule, run every worker's plan concurrently, postprocess. Returns the token events."""
         plans = self.scheduler.schedule()
         self.last_plans = plans
+        self.last_forward_seconds = {}
         if not plans:
             return []
         if len(plans) == 1:
@@ -58,6 +60,7 @@ class EngineLoop:
                 self.scheduler.remove_worker(name)
                 self.workers.pop(name, None)
                 continue
+            self.last_forward_seconds[name] = result.forward_seconds
             events.extend(self.scheduler.postprocess(name, result))
         self.num_steps += 1
         return events

