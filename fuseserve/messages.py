@@ -11,8 +11,9 @@ Keys and streams (all JSON in a single ``data`` field):
 - ``worker_key(worker_id)``: a worker's ``WorkerRecord``, written with a TTL and refreshed by its
   heartbeat; a worker whose key expires is dead.
 - ``SEQ_COUNTER``: INCR gives engine-wide unique sequence ids.
-- ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t}``, written each
-  second (the gateway answers 429 when too many requests wait).
+- ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t, "workers": {id:
+  {"admitted", "running", "free_blocks", "num_blocks"}}}``, written each second (the gateway
+  answers 429 when too many requests wait).
 """
 
 from __future__ import annotations

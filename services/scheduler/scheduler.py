@@ -56,6 +56,7 @@ class WorkerSlot:
     running: list[Sequence] = field(default_factory=list)  # admission order
     pending_free: list[int] = field(default_factory=list)
     entries: list[tuple[Sequence, int]] = field(default_factory=list)  # the plan being built / in flight
+    num_admitted: int = 0  # sequences admitted onto this worker so far (recomputes included)
 
     @property
     def budget_left(self) -> int:
@@ -235,6 +236,7 @@ class Scheduler:
         seq.worker = slot.name
         seq.admitted_at = next(self._admit_counter)
         slot.running.append(seq)
+        slot.num_admitted += 1
 
     def least_loaded(self, candidates: list[WorkerSlot]) -> WorkerSlot:
         """Placement: the worker with the most free blocks, then the fewest running sequences."""

@@ -9,6 +9,7 @@ and publishes each step's token events in one write per gateway (``fuseserve.mes
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
@@ -262,8 +263,11 @@ class SchedulerService:
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
         if now - self._last_stats >= STATS_INTERVAL_S:
             waiting, running = len(self.scheduler.waiting), self.scheduler.num_running
-            self.r.set(messages.SCHEDULER_STATS,
-                       f'{{"waiting": {waiting}, "running": {running}, "time": {time.time()}}}', ex=10)
+            workers = {name: {"admitted": s.num_admitted, "running": len(s.running),
+                              "free_blocks": s.account.num_free, "num_blocks": s.account.num_blocks}
+                       for name, s in self.scheduler.slots.items()}
+            stats = {"waiting": waiting, "running": running, "time": time.time(), "workers": workers}
+            self.r.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
             self.metrics.queue_depth.set(waiting)
             self.metrics.running.set(running)
             self._last_stats = now
