@@ -1,0 +1,328 @@
+"""The gateway: an OpenAI-compatible HTTP API in front of the Redis streams (DESIGN "The persistent stack").
+
+    app = create_app(GatewaySettings(redis_url="redis://localhost:6379", model="smollm2-135m-instruct"))
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
+``"stream": true``), ``GET /v1/models``, ``GET /health`` (503 without a live worker),
+``GET /metrics`` (Prometheus). A request is validated, tokenized and checked against the context
+and the scheduler's queue *before* anything is sent; then each sequence gets a ``seq_id`` (INCR),
+is XADDed to ``REQUESTS``, and its token events come back on this gateway's response stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fuseserve.gateway.admission import Admission
+from fuseserve.gateway.errors import (
+    ModelNotFoundError,
+    RequestTooLargeError,
+    error_for,
+    install_handlers,
+    validation_error,
+)
+from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
+from fuseserve.gateway.metrics import GatewayMetrics
+from fuseserve.gateway.prompts import PromptEncoder
+from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from fuseserve.gateway.render import Renderer, sse
+from fuseserve.gateway.streams import ResponseRouter
+from pydantic import ValidationError
+
+from fuseserve.detokenizer import DetokenizeStream
+from fuseserve.errors import FuseServeError, InvalidRequestError
+from fuseserve.model_source import ModelSource, resolve_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class GatewaySettings:
+    """What a gateway needs.
+
+    redis_url: the Redis of the stack. model: alias, directory or .gguf (only its tokenizer and
+    config are loaded). served_model_name: the name clients send as ``model`` (default: the
+    model's name). max_queue: answer 429 while the scheduler has this many sequences waiting.
+    max_body_bytes: larger request bodies get 413. max_model_len: context length in tokens
+    (default: ``config.max_position_embeddings``). admission_cache_s: seconds the worker / queue
+    snapshot is reused. disconnect_poll_s: seconds between client-disconnect checks while waiting.
+    source: an already resolved model (skips resolution; tests).
+    """
+
+    redis_url: str
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    max_queue: int = 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_model_len: int | None = None
+    cache_dir: str | None = None
+    admission_cache_s: float = 0.25
+    disconnect_poll_s: float = 0.25
+    source: ModelSource | None = None
+
+
+class Gateway:
+    """Process-wide state of one app: model facts, Redis, the response router, metrics."""
+
+    def __init__(self, settings: GatewaySettings):
+        self.settings = settings
+        self.source = settings.source or resolve_model(settings.model, cache_dir=settings.cache_dir)
+        self.model_name = settings.served_model_name or self.source.name
+        self.tokenizer = self.source.load_tokenizer()
+        self.eos_token_ids = self.source.eos_token_ids()
+        config = self.source.config
+        self.max_model_len = settings.max_model_len or int(config.max_position_embeddings)
+        vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
+        self.encoder = PromptEncoder(self.tokenizer, vocab_size, self.max_model_len)
+        self.gateway_id = uuid.uuid4().hex
+        self.metrics = GatewayMetrics()
+        self.redis: aioredis.Redis | None = None
+        self.router: ResponseRouter | None = None
+        self.admission: Admission | None = None
+
+    async def start(self) -> None:
+        self.redis = aioredis.Redis.from_url(self.settings.redis_url, decode_responses=True)
+        self.router = ResponseRouter(self.redis, self.gateway_id)
+        self.router.start()
+        self.admission = Admission(self.redis, self.settings.max_queue, self.settings.admission_cache_s)
+        log.info(
+            "gateway %s serving %s (context %d tokens)", self.gateway_id, self.model_name, self.max_model_len
+        )
+
+    async def stop(self) -> None:
+        if self.router is not None:
+            await self.router.stop()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    # ------------------------------------------------------------------ request handling
+    async def read_json(self, request: Request) -> dict:
+        """The body as a JSON object; 413 past ``max_body_bytes`` (checked before parsing), else 400."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                raise InvalidRequestError(f"invalid Content-Length header {declared!r}") from None
+            if size > limit:
+                raise RequestTooLargeError(size, limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLargeError(None, limit)
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        return data
+
+    def parse(self, model: type, data: dict):
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if req.model != self.model_name:
+            raise ModelNotFoundError(req.model, self.model_name)
+        return req
+
+    async def sequences(
+        self, req: CompletionRequest | ChatCompletionRequest, chat: bool
+    ) -> list[SequenceState]:
+        """Tokenize, validate and give each of ``n`` sequences per prompt its seq_id (nothing sent yet)."""
+        prompts = (
+            [self.encoder.chat_prompt(req.messages)] if chat else self.encoder.completion_prompts(req.prompt)
+        )
+        plans = []
+        for p, ids in enumerate(prompts):
+            for j in range(req.n):
+                plans.append((p, ids, self.encoder.sampling_params(req, len(ids), j)))
+        await self.admission.check()
+        seqs = []
+        for choice, (p, ids, params) in enumerate(plans):
+            detok = DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            seqs.append(SequenceState(choice, await self.router.next_seq_id(), p, ids, params, detok))
+        return seqs
+
+    async def generate(self, request: Request, chat: bool):
+        arrival = time.monotonic()
+        data = await self.read_json(request)
+        req = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        seqs = await self.sequences(req, chat)
+        gen = Generation(
+            self.router,
+            self.metrics,
+            seqs,
+            request_id=uuid.uuid4().hex,
+            is_disconnected=request.is_disconnected,
+            poll_s=self.settings.disconnect_poll_s,
+        )
+        gen.arrival = arrival
+        renderer = Renderer(self.tokenizer, self.model_name, chat, req.return_token_ids)
+        await gen.submit()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(gen, renderer, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            await gen.run()
+        except ClientDisconnected:
+            self.metrics.count_abort()
+            return Response(status_code=499)
+        except BaseException:
+            gen.abort()  # cancelled (server shutdown) or failed: free the sequences
+            raise
+        self.metrics.count_status(200)
+        self.metrics.latency.observe(time.monotonic() - arrival)
+        return JSONResponse(renderer.response(seqs))
+
+    async def _stream(self, gen: Generation, renderer: Renderer, include_usage: bool):
+        status = "abort"
+        try:
+            first = renderer.role_chunk(gen.seqs, include_usage)
+            if first is not None:
+                yield sse(first)
+            async for deltas in gen.batches():
+                chunk = renderer.delta_chunk(gen.seqs, deltas, include_usage)
+                if chunk is not None and gen.error is None:
+                    yield sse(chunk)
+            if gen.error is not None:
+                exc = scheduler_error(gen.error)
+                status = "error" if exc.http_status >= 500 else "client_error"
+                yield sse(error_for(exc))
+            else:
+                if include_usage:
+                    yield sse(renderer.usage_chunk(gen.seqs))
+                status = "ok"
+            yield sse("[DONE]")
+        except ClientDisconnected:
+            pass
+        finally:
+            if not gen.finished:
+                gen.abort()
+                status = "abort"
+            if status == "abort":
+                self.metrics.count_abort()
+            else:
+                self.metrics.requests.labels(status=status).inc()
+                if status == "ok":
+                    self.metrics.latency.observe(time.monotonic() - gen.arrival)
+
+    async def health(self) -> JSONResponse:
+        snap = await self.admission.snapshot(fresh=True)
+        self._set_queue_depth(snap.waiting)
+        if snap.num_workers == 0:
+            return JSONResponse({"status": "no_worker", "workers": 0}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": snap.num_workers})
+
+    def _set_queue_depth(self, waiting: int | None) -> None:
+        if waiting is not None:
+            self.metrics.queue_depth.set(waiting)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway's FastAPI app; loads the tokenizer now, connects to Redis on startup.
+
+    Raises ``ModelLoadError`` when the model cannot be resolved or has no tokenizer.
+    """
+    gw = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(title="fuseserve gateway", lifespan=lifespan)
+    app.state.gateway = gw
+    install_handlers(app, gw.metrics.count_status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await gw.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await gw.generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": gw.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "fuseserve",
+            "max_model_len": gw.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        return await gw.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        with contextlib.suppress(Exception):  # metrics must answer even when Redis does not
+            gw._set_queue_depth((await gw.admission.snapshot()).waiting)
+        return Response(gw.metrics.exposition(), media_type=gw.metrics.content_type)
+
+    return app
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    """Settings from the ``fuseserve gateway`` arguments (missing attributes take their defaults)."""
+    return GatewaySettings(
+        redis_url=getattr(args, "redis_url", None) or "redis://127.0.0.1:6379/0",
+        model=getattr(args, "model", None) or DEFAULT_MODEL,
+        served_model_name=getattr(args, "served_model_name", None),
+        max_queue=int(getattr(args, "max_queue", None) or 1024),
+        max_body_bytes=int(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES),
+        max_model_len=getattr(args, "max_model_len", None),
+        cache_dir=getattr(args, "cache_dir", None),
+    )
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    """``fuseserve gateway``: serve the app with uvicorn until interrupted; returns the exit code.
+
+    Reads ``args.redis_url``, ``model``, ``host`` (default 127.0.0.1), ``port`` (8000), ``max_queue``,
+    ``max_body_bytes``, ``log_level`` (info), and optionally ``served_model_name``,
+    ``max_model_len``, ``cache_dir``.
+    """
+    import uvicorn
+
+    level = str(getattr(args, "log_level", None) or "info").lower()
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_app(settings_from_args(args))
+    except FuseServeError as e:
+        log.error("%s", e)
+        return 1
+    host = getattr(args, "host", None) or "127.0.0.1"
+    port = int(getattr(args, "port", None) or 8000)
+    uvicorn.run(app, host=host, port=port, log_level=level, timeout_graceful_shutdown=5)
+    return 0
+
+
+__all__ = ["GatewaySettings", "create_app", "run_gateway"]

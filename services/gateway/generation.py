@@ -1,0 +1,233 @@
+"""One HTTP request's sequences in flight: submit them, consume their token events, abort them.
+
+``SequenceState.apply`` mirrors ``Pipeline._apply`` (``fuseserve/engine.py``): every token counts
+in usage; hidden tokens (EOS / stop token ids) add no text; text goes through a
+``DetokenizeStream``, and when a stop string matches the sequence finishes with "stop" and the
+scheduler is told to free it at once (abort ControlMessage, reason "stop"). ``index`` drops
+duplicate events (a restarted scheduler may resend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fuseserve.gateway.errors import SchedulerRejectedError
+from fuseserve.gateway.metrics import GatewayMetrics
+from fuseserve.gateway.streams import ResponseRouter
+
+from fuseserve.detokenizer import DetokenizeStream
+from fuseserve.messages import RequestMessage, TokenMessage
+from fuseserve.sampling_params import SamplingParams
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the request finished."""
+
+
+@dataclass
+class TokenLogprobs:
+    """A visible generated token with its logprob and top alternatives ``[[token_id, logprob], ...]``."""
+
+    token_id: int
+    logprob: float | None
+    top: list[list]
+
+
+@dataclass
+class Delta:
+    """What one batch of events added to a sequence: text and the logprobs of its visible tokens."""
+
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class SequenceState:
+    """One generated sequence: choice ``choice`` of the response, ``seq_id`` in the engine.
+
+    prompt_index: which prompt of the request it continues (``n`` sequences share one).
+    token_ids: every generated id (hidden ones included). visible: logprobs of the visible tokens.
+    raw_logprobs / raw_top: per generated token (hidden included), when logprobs were asked for.
+    next_index: index of the next expected token event (lower ones are duplicates).
+    """
+
+    choice: int
+    seq_id: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: DetokenizeStream
+    token_ids: list[int] = field(default_factory=list)
+    visible: list[TokenLogprobs] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    raw_top: list[list[list]] = field(default_factory=list)
+    next_index: int = 0
+    finish_reason: str | None = None
+    error: dict | None = None
+    last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, ev: TokenMessage, delta: Delta) -> bool:
+        """Add one event to ``delta``; True when it carried a new token (False: duplicate or none)."""
+        if self.finished:
+            return False
+        new_token = False
+        if ev.token_id is not None:
+            if 0 <= ev.index < self.next_index:
+                return False  # a duplicate: applied the first time it came
+            if ev.index >= 0:
+                self.next_index = ev.index + 1
+            new_token = True
+            self.token_ids.append(ev.token_id)
+            if ev.logprob is not None:
+                self.raw_logprobs.append(ev.logprob)
+                self.raw_top.append(ev.top_logprobs)
+            if not ev.hidden:
+                delta.text += self.detok.push([ev.token_id])
+                if self.params.logprobs is not None:
+                    entry = TokenLogprobs(ev.token_id, ev.logprob, ev.top_logprobs)
+                    self.visible.append(entry)
+                    delta.logprobs.append(entry)
+            if self.detok.stopped:
+                self.finish_reason = "stop"
+                delta.finished = True
+                return new_token
+        if ev.error is not None:
+            self.error = ev.error
+            self.finish_reason = "error"
+            delta.finished = True
+        elif ev.finish_reason is not None:
+            self.finish_reason = ev.finish_reason
+            delta.text += self.detok.finish()
+            delta.finished = True
+        return new_token
+
+
+class Generation:
+    """The sequences of one HTTP request, sharing one event queue.
+
+    is_disconnected: awaited every ``poll_s`` seconds while no event arrives; True aborts.
+    """
+
+    def __init__(
+        self,
+        router: ResponseRouter,
+        metrics: GatewayMetrics,
+        seqs: list[SequenceState],
+        request_id: str,
+        is_disconnected: Callable[[], Awaitable[bool]],
+        poll_s: float = 0.25,
+    ):
+        self.router = router
+        self.metrics = metrics
+        self.seqs = seqs
+        self.request_id = request_id
+        self.is_disconnected = is_disconnected
+        self.poll_s = poll_s
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self._by_seq = {s.seq_id: s for s in seqs}
+        self._queue: asyncio.Queue[TokenMessage] = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def error(self) -> dict | None:
+        return next((s.error for s in self.seqs if s.error is not None), None)
+
+    async def submit(self) -> None:
+        """Register the event queue, then XADD every sequence to the scheduler."""
+        for s in self.seqs:
+            self.router.register(s.seq_id, self._queue)
+        msgs = [
+            RequestMessage(
+                s.seq_id, self.request_id, self.router.gateway_id, s.prompt_ids, s.params.to_dict()
+            )
+            for s in self.seqs
+        ]
+        for s in self.seqs:
+            self.metrics.prompt_tokens.inc(len(s.prompt_ids))
+        try:
+            await self.router.submit(msgs)
+        except BaseException:
+            for s in self.seqs:
+                self.router.unregister(s.seq_id)
+            raise
+
+    def abort(self, reason: str = "abort") -> None:
+        """Abort every unfinished sequence (the scheduler frees them); idempotent."""
+        live = [s for s in self.seqs if not s.finished]
+        for s in live:
+            s.finish_reason = "abort"
+        self.router.abort([s.seq_id for s in live], reason)
+
+    async def batches(self) -> AsyncIterator[dict[int, Delta]]:
+        """Yield ``{choice: Delta}`` for each batch of events until every sequence finished.
+
+        A scheduler error event on one sequence aborts the others (the request fails as a whole).
+        Raises ``ClientDisconnected`` (after aborting) when the client goes away.
+        """
+        while not self.finished:
+            try:
+                first = await asyncio.wait_for(self._queue.get(), timeout=self.poll_s)
+            except TimeoutError:
+                if await self.is_disconnected():
+                    self.abort()
+                    raise ClientDisconnected() from None
+                continue
+            events = [first]
+            while not self._queue.empty():
+                events.append(self._queue.get_nowait())
+            deltas = self._apply(events)
+            if self.error is not None:
+                self.abort()
+            if deltas:
+                yield deltas
+
+    async def run(self) -> None:
+        """Consume every event (non-streaming). Raises ``SchedulerRejectedError`` or ``ClientDisconnected``."""
+        async for _ in self.batches():
+            pass
+        if self.error is not None:
+            raise scheduler_error(self.error)
+
+    def _apply(self, events: list[TokenMessage]) -> dict[int, Delta]:
+        now = time.monotonic()
+        deltas: dict[int, Delta] = {}
+        for ev in events:
+            seq = self._by_seq.get(ev.seq_id)
+            if seq is None or seq.finished:
+                continue
+            delta = deltas.setdefault(seq.choice, Delta())
+            if seq.apply(ev, delta):
+                self.metrics.generated_tokens.inc()
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                    self.metrics.ttft.observe(now - self.arrival)
+                if seq.last_token_at is not None:
+                    self.metrics.itl.observe(now - seq.last_token_at)
+                seq.last_token_at = now
+            if seq.finished:
+                if seq.finish_reason == "stop" and seq.detok.stopped:
+                    self.router.abort([seq.seq_id], "stop")
+                else:
+                    self.router.unregister(seq.seq_id)
+        return deltas
+
+
+def scheduler_error(error: dict) -> SchedulerRejectedError:
+    """The typed error of a scheduler ``error`` event ``{"message", "type", "status"}``."""
+    status = int(error.get("status") or 500)
+    kind = error.get("type") or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+    return SchedulerRejectedError(
+        str(error.get("message") or "the scheduler rejected the request"), status, kind
+    )

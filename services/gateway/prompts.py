@@ -1,0 +1,150 @@
+"""From a validated request body to prompt token ids and ``SamplingParams``, as the pipeline does.
+
+Text prompts are tokenized like ``Pipeline._encode`` (``tokenizer(text)["input_ids"]``); chat
+messages are rendered like ``Pipeline.chat_prompt_ids`` (the chat template with the generation
+prompt, then tokenized without special tokens). Every check that can fail runs here, before
+anything is sent to the scheduler: empty prompts, token ids outside the vocabulary, sampling ranges,
+and prompt + max_tokens against the context (``ContextLengthExceededError`` with the numbers).
+"""
+
+from __future__ import annotations
+
+from fuseserve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+from fuseserve.errors import ContextLengthExceededError, InvalidParameterError, InvalidRequestError
+from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16
+"""Largest ``n`` (sequences per prompt) a request may ask for."""
+
+MAX_PROMPTS = 256
+"""Largest number of prompts in one completions request."""
+
+_OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+
+
+class PromptEncoder:
+    """Tokenizes prompts and builds sampling params for one model.
+
+    tokenizer: the model's Hugging Face fast tokenizer. vocab_size: token ids must be below it.
+    max_model_len: the context length in tokens (prompt + generated).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    # ------------------------------------------------------------------ prompts
+    def completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        """Token ids of each prompt of a completions request (a string, token ids, or a list of either).
+
+        Raises ``InvalidRequestError`` (param "prompt") for an empty prompt or an id outside the vocabulary.
+        """
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            batch = [prompt]
+        else:
+            batch = list(prompt)
+        if not batch:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if len(batch) > MAX_PROMPTS:
+            raise InvalidRequestError(
+                f"{len(batch)} prompts in one request; at most {MAX_PROMPTS}", param="prompt"
+            )
+        return [self._encode(p) for p in batch]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"] if prompt else []
+        else:
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} outside [0, {self.vocab_size})", param="prompt")
+            ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return ids
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template (with the generation prompt).
+
+        Raises ``InvalidRequestError`` (param "messages") when the model has no chat template, the
+        template rejects the messages, or they render to nothing.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; use /v1/completions", param="messages"
+            )
+        turns = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raises on roles or orders the template does not accept
+            raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from e
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise InvalidRequestError("messages render to an empty prompt", param="messages")
+        return ids
+
+    # ------------------------------------------------------------------ sampling params
+    def sampling_params(
+        self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int, index: int = 0
+    ) -> SamplingParams:
+        """Validated params for sequence ``index`` (0..n-1) of a prompt of ``prompt_len`` tokens.
+
+        Raises ``InvalidParameterError`` (OpenAI parameter names) or ``ContextLengthExceededError``.
+        """
+        max_tokens = req.max_tokens
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidParameterError("max_tokens", max_tokens, "an integer >= 1")
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            if room < 1:
+                raise ContextLengthExceededError(prompt_len, 1, self.max_model_len)
+            max_tokens = room
+        elif max_tokens > room:
+            raise ContextLengthExceededError(prompt_len, max_tokens, self.max_model_len)
+        if not 0 <= req.min_tokens <= max_tokens:
+            raise InvalidParameterError(
+                "min_tokens", req.min_tokens, f"an integer in [0, max_tokens={max_tokens}]"
+            )
+        if not 1 <= req.n <= MAX_N:
+            raise InvalidParameterError("n", req.n, f"an integer in [1, {MAX_N}]")
+        kwargs: dict = dict(
+            max_new_tokens=max_tokens,
+            min_new_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=self._logprobs(req),
+        )
+        for name in _OPTIONAL_FLOATS + ("top_k", "repetition_penalty"):
+            value = getattr(req, name)
+            if value is not None:
+                kwargs[name] = value
+        if req.seed is not None:
+            kwargs["seed"] = req.seed + index
+        return SamplingParams.from_kwargs(**kwargs)
+
+    @staticmethod
+    def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+        if isinstance(req, CompletionRequest):
+            if req.echo:
+                raise InvalidParameterError("echo", True, "false (echo is not supported)")
+            if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+                raise InvalidParameterError(
+                    "logprobs", req.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]"
+                )
+            return req.logprobs
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise InvalidParameterError("top_logprobs", req.top_logprobs, "null unless logprobs is true")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidParameterError(
+                    "top_logprobs", req.top_logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]"
+                )
+        return (req.top_logprobs or 0) if req.logprobs else None
