@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 from fuseserve.scheduler.block_accounting import BlockAccount
-from fuseserve.scheduler.policies import Policy, get_policy
+from fuseserve.scheduler.policies import Policy, get_policy, schedule_decodes
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 
 from fuseserve.config import EngineConfig
@@ -83,6 +83,7 @@ class Scheduler:
         self._admit_counter = itertools.count()
         self._step_counter = itertools.count()
         self.num_preemptions = 0
+        self.num_forced_preemptions = 0  # of those, past max_preemptions to break a deadlock
 
     # ----- workers -----
     def add_worker(
@@ -154,6 +155,15 @@ class Scheduler:
         for slot in self.slots.values():
             slot.entries = []
         self.policy.schedule(self)
+        for slot in self.slots.values():
+            while slot.running and not slot.entries:
+                # every running sequence waits for a block and none may be preempted under the cap:
+                # nothing would ever run again, so preempt the newest past its cap (liveness first)
+                victim = max(slot.running, key=lambda s: s.admitted_at)
+                log.warning("seq %d preempted past the cap to break a KV-cache deadlock", victim.seq_id)
+                self.num_forced_preemptions += 1
+                self.preempt(slot, victim)
+                schedule_decodes(self, slot)
         plans = {}
         for slot in self.slots.values():
             if not slot.entries and not slot.pending_free:
@@ -166,7 +176,9 @@ class Scheduler:
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         start = seq.num_computed_tokens
         end = start + n
-        decode = not seq.in_prefill  # the worker feeds the token it sampled last
+        # the worker feeds the token it sampled last; a recompute cut one token short of its end
+        # looks like a decode but its last token was sampled before the worker restarted it
+        decode = not seq.in_prefill and seq.num_tokens > seq.num_tokens_at_admission
         return SeqChunk(
             seq_id=seq.seq_id,
             start_pos=start,
@@ -235,6 +247,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         seq.worker = slot.name
         seq.admitted_at = next(self._admit_counter)
+        seq.num_tokens_at_admission = seq.num_tokens
         slot.running.append(seq)
         slot.num_admitted += 1
 

@@ -28,6 +28,8 @@ class Sequence:
     num_preemptions: times this sequence was preempted (recompute) so far.
     worker: the worker the sequence runs on while RUNNING, else None.
     admitted_at: a counter value when it was last admitted (preemption picks the largest).
+    num_tokens_at_admission: tokens known when it was last admitted; only a token sampled after
+        that is held by the worker as the input of a decode entry (a recompute's are not).
     """
 
     seq_id: int
@@ -40,6 +42,7 @@ class Sequence:
     num_preemptions: int = 0
     worker: str | None = None
     admitted_at: int = -1
+    num_tokens_at_admission: int = 0
 
     @property
     def prompt_len(self) -> int:

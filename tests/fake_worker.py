@@ -1,0 +1,178 @@
+"""A cost-free fake model worker for scheduler tests: ``step(plan) -> StepResult`` without a model.
+
+It keeps per-sequence state exactly like ``fuseserve.worker.model_runner.ModelRunner`` does (tokens
+whose K/V it holds, the token it sampled last, blocks per sequence from a fixed pool) and consumes
+plans the same way: ``free_seq_ids`` first; a chunk with ``start_pos == 0`` and ``params`` (re)creates
+the sequence; a decode entry has no token ids and feeds the token sampled last. Every rule of the
+plan contract is asserted (``PlanError``), so a scheduler bug shows up as a failed step.
+
+"Sampling" is deterministic: the next token is a hash of every token of the sequence so far, so a
+sequence's output depends only on its own tokens (never on the batch, the chunking or a
+recompute), and a greedy run alone gives the reference output. About one token in ``eos_every`` is
+EOS, banned like the real sampler while ``len(output) < min_new_tokens`` or with ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import SampledToken, StepPlan, StepResult
+
+EOS = 0
+
+
+class PlanError(AssertionError):
+    """A step plan broke the scheduler ↔ worker contract."""
+
+
+def next_token(tokens: list[int], vocab_size: int, eos_every: int) -> int:
+    """Deterministic "model": a token in ``[1, vocab)`` from a hash of ``tokens``; EOS now and then."""
+    h = zlib.crc32(b",".join(str(t).encode() for t in tokens))
+    if eos_every and h % eos_every == 0:
+        return EOS
+    return 1 + (h >> 8) % (vocab_size - 1)
+
+
+@dataclass
+class FakeSeq:
+    params: SamplingParams
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V this worker holds, in order
+    last_token: int | None = None  # sampled last, not yet in ``tokens`` (the next decode input)
+    num_blocks: int = 0
+
+
+class FakeWorker:
+    """Plays a ``ModelRunner``: same plan semantics, same block pool discipline, no tensors.
+
+    num_blocks / block_size: the KV pool; the worker fails a step that needs more blocks than are
+    free (the scheduler's accounting must prevent that).
+    fail_at_step: raise on the n-th call of ``step`` (0-based), to play a lost worker.
+    history: share one dict between the workers of a test, so a sequence that moves to another
+        worker (recompute) is checked against the tokens it had before.
+    Records every plan (``plans``) and, across frees and recomputes, the longest token history
+    seen per sequence (``history``), against which a recompute's token ids are checked.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int = 10_000,
+        block_size: int = 16,
+        vocab_size: int = 1000,
+        eos_every: int = 0,
+        fail_at_step: int | None = None,
+        name: str = "fake",
+        history: dict[int, list[int]] | None = None,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_every = eos_every
+        self.fail_at_step = fail_at_step
+        self.name = name
+        self.seqs: dict[int, FakeSeq] = {}
+        self.history: dict[int, list[int]] = {} if history is None else history
+        self.plans: list[StepPlan] = []
+        self.seen_seq_ids: set[int] = set()
+        self.num_steps = 0
+        self.errors: list[PlanError] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - sum(s.num_blocks for s in self.seqs.values())
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def free(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        if self.fail_at_step is not None and self.num_steps == self.fail_at_step:
+            self.num_steps += 1
+            raise ConnectionError(f"{self.name}: worker lost")
+        self.num_steps += 1
+        self.plans.append(plan)
+        try:
+            return self._step(plan)
+        except PlanError as e:
+            self.errors.append(e)  # the engine loop swallows worker errors; tests check this list
+            raise
+
+    def _step(self, plan: StepPlan) -> StepResult:
+        self.free(plan.free_seq_ids)
+        ids = [c.seq_id for c in plan.chunks]
+        if len(ids) != len(set(ids)):
+            raise PlanError(f"a sequence appears twice in one plan: {ids}")
+        inputs: list[tuple[FakeSeq, list[int]]] = []
+        for c in plan.chunks:
+            if c.num_tokens < 1:
+                raise PlanError(f"seq {c.seq_id}: num_tokens={c.num_tokens}")
+            seq = self.seqs.get(c.seq_id)
+            if c.start_pos == 0 and c.params is not None:
+                seq = FakeSeq(c.params, c.prompt_len)  # new, or a recompute from scratch
+                self.seqs[c.seq_id] = seq
+                if c.prompt_len < 1:
+                    raise PlanError(f"seq {c.seq_id}: first chunk with prompt_len={c.prompt_len}")
+            if seq is None:
+                raise PlanError(f"seq {c.seq_id}: unknown; a first chunk needs start_pos 0 and params")
+            if c.start_pos != len(seq.tokens):
+                raise PlanError(
+                    f"seq {c.seq_id}: chunk starts at {c.start_pos}, worker holds {len(seq.tokens)}"
+                )
+            if c.token_ids:
+                if len(c.token_ids) != c.num_tokens:
+                    raise PlanError(f"seq {c.seq_id}: {len(c.token_ids)} ids for num_tokens={c.num_tokens}")
+                tokens = list(c.token_ids)
+            else:
+                if c.num_tokens != 1 or seq.last_token is None:
+                    raise PlanError(
+                        f"seq {c.seq_id}: decode entry without a sampled token (num_tokens={c.num_tokens})"
+                    )
+                tokens = [seq.last_token]
+            if seq.last_token is not None and tokens[0] != seq.last_token:
+                raise PlanError(f"seq {c.seq_id}: continues with {tokens[0]}, sampled {seq.last_token}")
+            known = self.history.get(c.seq_id, [])
+            end = c.start_pos + c.num_tokens
+            overlap = known[c.start_pos : end]
+            if overlap != tokens[: len(overlap)]:
+                raise PlanError(f"seq {c.seq_id}: tokens {c.start_pos}:{end} differ from its history")
+            limit = max(seq.prompt_len, len(known))  # tokens the scheduler can know of
+            if end > limit:
+                raise PlanError(f"seq {c.seq_id}: chunk ends at {end}, only {limit} tokens exist")
+            if c.sample != (end == limit):
+                raise PlanError(f"seq {c.seq_id}: sample={c.sample} for a chunk ending at {end} of {limit}")
+            inputs.append((seq, tokens))
+        # allocate blocks like BlockTables.ensure, after the frees
+        need = sum(max(0, self._blocks(len(s.tokens) + len(t)) - s.num_blocks) for s, t in inputs)
+        if need > self.num_free_blocks:
+            raise PlanError(f"KV cache full: {need} blocks requested, {self.num_free_blocks} free")
+        out: list[SampledToken] = []
+        for c, (seq, tokens) in zip(plan.chunks, inputs, strict=True):
+            seq.tokens.extend(tokens)
+            seq.num_blocks = max(seq.num_blocks, self._blocks(len(seq.tokens)))
+            seq.last_token = None
+            hist = self.history.setdefault(c.seq_id, [])
+            if len(seq.tokens) > len(hist):
+                hist.extend(seq.tokens[len(hist) :])
+            self.seen_seq_ids.add(c.seq_id)
+            if c.sample:
+                tok = self._sample(seq)
+                seq.last_token = tok
+                if len(hist) == len(seq.tokens):
+                    hist.append(tok)
+                elif hist[len(seq.tokens)] != tok:
+                    raise PlanError(f"seq {c.seq_id}: resampled a different token after recompute")
+                out.append(SampledToken(c.seq_id, tok, -1.0))
+        return StepResult(plan.step_id, out)
+
+    def _sample(self, seq: FakeSeq) -> int:
+        tok = next_token(seq.tokens, self.vocab_size, self.eos_every)
+        num_out = len(seq.tokens) - seq.prompt_len
+        p = seq.params
+        if tok == EOS and (num_out < p.min_new_tokens or p.ignore_eos):
+            tok = 1 + zlib.crc32(str(len(seq.tokens)).encode()) % (self.vocab_size - 1)
+        return tok
