@@ -146,6 +146,7 @@ class Gateway:
         self, req: CompletionRequest | ChatCompletionRequest, chat: bool
     ) -> list[SequenceState]:
         """Tokenize, validate and give each of ``n`` sequences per prompt its seq_id (nothing sent yet)."""
+        self.encoder.check_n(req.n)
         prompts = (
             [self.encoder.chat_prompt(req.messages)] if chat else self.encoder.completion_prompts(req.prompt)
         )
@@ -208,7 +209,9 @@ class Gateway:
             if gen.error is not None:
                 exc = scheduler_error(gen.error)
                 status = "error" if exc.http_status >= 500 else "client_error"
-                yield sse(error_for(exc))
+                body = error_for(exc)
+                body["error"]["status"] = exc.http_status
+                yield sse(body)
             else:
                 if include_usage:
                     yield sse(renderer.usage_chunk(gen.seqs))

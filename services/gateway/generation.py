@@ -176,13 +176,18 @@ class Generation:
         A scheduler error event on one sequence aborts the others (the request fails as a whole).
         Raises ``ClientDisconnected`` (after aborting) when the client goes away.
         """
+        checked_at = time.monotonic()
         while not self.finished:
             try:
                 first = await asyncio.wait_for(self._queue.get(), timeout=self.poll_s)
             except TimeoutError:
+                first = None
+            if time.monotonic() - checked_at >= self.poll_s:
+                checked_at = time.monotonic()
                 if await self.is_disconnected():
                     self.abort()
-                    raise ClientDisconnected() from None
+                    raise ClientDisconnected()
+            if first is None:
                 continue
             events = [first]
             while not self._queue.empty():

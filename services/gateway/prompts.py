@@ -88,6 +88,12 @@ class PromptEncoder:
         return ids
 
     # ------------------------------------------------------------------ sampling params
+    @staticmethod
+    def check_n(n: int) -> None:
+        """Raise ``InvalidParameterError`` unless 1 <= n <= ``MAX_N``."""
+        if not 1 <= n <= MAX_N:
+            raise InvalidParameterError("n", n, f"an integer in [1, {MAX_N}]")
+
     def sampling_params(
         self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int, index: int = 0
     ) -> SamplingParams:
@@ -111,8 +117,6 @@ class PromptEncoder:
             raise InvalidParameterError(
                 "min_tokens", req.min_tokens, f"an integer in [0, max_tokens={max_tokens}]"
             )
-        if not 1 <= req.n <= MAX_N:
-            raise InvalidParameterError("n", req.n, f"an integer in [1, {MAX_N}]")
         kwargs: dict = dict(
             max_new_tokens=max_tokens,
             min_new_tokens=req.min_tokens,

@@ -4,9 +4,13 @@ Completions logprobs: ``{"tokens", "token_logprobs", "top_logprobs": [{token: lo
 Chat logprobs: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}]}]}``. Logprobs cover the visible tokens (a hidden EOS / stop token is counted in usage only).
 
+A streamed error (the scheduler rejected a sequence after the 200 was sent) is one event
+``data: {"error": {"message", "type", "param", "code", "status"}}`` (``status``: the HTTP status
+the request would have had), then ``data: [DONE]``.
+
 Extension (request ``"return_token_ids": true``): each choice of a non-streamed response also has
-``token_ids`` (every generated id, a hidden EOS / stop token included, as ``Response.token_ids``)
-and, when logprobs were asked for, ``token_logprobs`` (per generated id, its logprob) and
+``token_ids`` (every generated id, a hidden EOS / stop token included, as ``Response.token_ids``),
+``prompt_tokens`` (the prompt's length in tokens) and, when logprobs were asked for, ``token_logprobs`` (per generated id, its logprob) and
 ``top_logprob_ids`` (per generated id, ``[[token_id, logprob], ...]``).
 """
 
@@ -100,6 +104,7 @@ class Renderer:
                 }
             if self.return_token_ids:
                 choice["token_ids"] = s.token_ids
+                choice["prompt_tokens"] = len(s.prompt_ids)
                 if s.params.logprobs is not None:
                     choice["token_logprobs"] = s.raw_logprobs
                     choice["top_logprob_ids"] = s.raw_top

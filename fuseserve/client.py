@@ -1,0 +1,207 @@
+"""A Python client for a running fuseserve gateway, with the pipeline's keyword arguments.
+
+    client = fuseserve.Client("http://127.0.0.1:8000")
+    client.generate(["What is 2+2?"], max_new_tokens=32, temperature=0.0)[0].text
+    for piece in client.stream("Once upon a time", max_new_tokens=64):
+        print(piece, end="")
+    client.chat([{"role": "user", "content": "Hi"}]).text
+
+Sampling keywords are those of :class:`fuseserve.SamplingParams` (``max_new_tokens``, ``temperature``,
+``stop``, ...), validated here exactly as the pipeline validates them, with the same defaults, then
+sent under their OpenAI names (``max_new_tokens`` → ``max_tokens``, ``min_new_tokens`` →
+``min_tokens``). Token ids and logprobs come back through the gateway's ``return_token_ids``
+extension. Gateway errors are raised as typed fuseserve errors: 4xx → ``InvalidRequestError``
+(``http_status`` and ``param`` set from the answer), 429 → ``QueueFullError`` (``retry_after`` from
+the header), 503 → ``NoWorkerError``, other 5xx → ``FuseServeError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from fuseserve.errors import FuseServeError, InvalidRequestError, NoWorkerError, QueueFullError
+from fuseserve.outputs import Response
+from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import TokenLogprob
+
+Prompt = str | list[int]
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def _body(params: SamplingParams, chat: bool) -> dict[str, Any]:
+    """OpenAI request fields for validated ``params``."""
+    body: dict[str, Any] = {
+        "max_tokens": params.max_new_tokens,
+        "min_tokens": params.min_new_tokens,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "seed": params.seed,
+        "stop": list(params.stop),
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+        "include_stop_str_in_output": params.include_stop_str_in_output,
+        "return_token_ids": True,
+    }
+    if chat:
+        body["logprobs"] = params.logprobs is not None
+        body["top_logprobs"] = params.logprobs if params.logprobs is not None else None
+    else:
+        body["logprobs"] = params.logprobs
+    return body
+
+
+def error_from_answer(
+    status: int, payload: dict | None, headers: httpx.Headers | None = None
+) -> FuseServeError:
+    """The typed error of a gateway error answer (OpenAI error JSON)."""
+    err = (payload or {}).get("error") or {}
+    message = str(err.get("message") or f"gateway answered HTTP {status}")
+    if status == 429:
+        retry = (headers or {}).get("retry-after")
+        exc: FuseServeError = QueueFullError(message, retry_after=float(retry) if retry else 1.0)
+    elif status == 503:
+        exc = NoWorkerError(message)
+    elif 400 <= status < 500:
+        exc = InvalidRequestError(message, param=err.get("param"))
+    else:
+        exc = FuseServeError(message)
+    exc.http_status = status
+    exc.code = err.get("code")
+    return exc
+
+
+class Client:
+    """Talks to a gateway over HTTP. ``url``: its base URL; ``timeout``: seconds per request;
+    ``model``: the served name to ask for (default: the first of ``/v1/models``)."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, model: str | None = None):
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        self._model = model
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def model(self) -> str:
+        """The model name requests are sent with (asked from the gateway once)."""
+        if self._model is None:
+            self._model = self.models()[0]
+        return self._model
+
+    def models(self) -> list[str]:
+        """Names of the models the gateway serves."""
+        return [m["id"] for m in self._request("GET", "/v1/models")["data"]]
+
+    def health(self) -> dict:
+        """The gateway's ``/health`` answer; raises ``NoWorkerError`` when it has no live worker."""
+        return self._request("GET", "/health")
+
+    def generate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[Response]:
+        """One ``Response`` per prompt (text or token ids), in order, as ``Pipeline.__call__``.
+
+        Raises ``InvalidParameterError`` / ``InvalidRequestError`` for bad keywords before sending,
+        and the gateway's errors typed (see the module docstring).
+        """
+        single = isinstance(prompts, str) or _is_token_ids(prompts)
+        batch = [prompts] if single else list(prompts)
+        params = SamplingParams.from_kwargs(**sampling)
+        if not batch:
+            return []
+        uniform = all(isinstance(p, str) for p in batch) or all(_is_token_ids(p) for p in batch)
+        groups = [batch] if uniform else [[p] for p in batch]
+        out: list[Response] = []
+        for group in groups:
+            body = {"model": self.model, "prompt": group, **_body(params, chat=False)}
+            answer = self._request("POST", "/v1/completions", body)
+            out.extend(self._response(c, c.get("text", "")) for c in answer["choices"])
+        return out
+
+    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[str]:
+        """Yield text deltas as they arrive; joined, they equal ``generate(prompt)[0].text``."""
+        params = SamplingParams.from_kwargs(**sampling)
+        body = {"model": self.model, "prompt": prompt, "stream": True, **_body(params, chat=False)}
+        return self._stream("/v1/completions", body)
+
+    def chat(self, messages: list[dict], **sampling: Any) -> Response:
+        """Apply the model's chat template on the gateway and generate one response."""
+        params = SamplingParams.from_kwargs(**sampling)
+        body = {"model": self.model, "messages": messages, **_body(params, chat=True)}
+        answer = self._request("POST", "/v1/chat/completions", body)
+        choice = answer["choices"][0]
+        return self._response(choice, choice["message"].get("content") or "")
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transport
+    @staticmethod
+    def _response(choice: dict, text: str) -> Response:
+        token_ids = list(choice.get("token_ids") or [])
+        top = [
+            [TokenLogprob(int(t), float(lp)) for t, lp in alts]
+            for alts in choice.get("top_logprob_ids") or []
+        ]
+        return Response(
+            text,
+            token_ids,
+            int(choice.get("prompt_tokens") or 0),
+            len(token_ids),
+            choice.get("finish_reason") or "abort",
+            list(choice.get("token_logprobs") or []),
+            top,
+        )
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            answer = self._http.request(method, path, json=body)
+        except httpx.HTTPError as e:
+            raise FuseServeError(f"cannot reach the gateway at {self.url}: {e}") from e
+        if answer.status_code >= 400:
+            raise error_from_answer(answer.status_code, _json_or_none(answer.content), answer.headers)
+        return answer.json()
+
+    def _stream(self, path: str, body: dict) -> Iterator[str]:
+        try:
+            with self._http.stream("POST", path, json=body) as answer:
+                if answer.status_code >= 400:
+                    raise error_from_answer(answer.status_code, _json_or_none(answer.read()), answer.headers)
+                for line in answer.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise error_from_answer(int(chunk["error"].get("status") or 500), chunk)
+                    for choice in chunk.get("choices", []):
+                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        if text:
+                            yield text
+        except httpx.HTTPError as e:
+            raise FuseServeError(f"stream from the gateway at {self.url} failed: {e}") from e
+
+
+def _json_or_none(content: bytes) -> dict | None:
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

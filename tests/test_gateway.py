@@ -1,0 +1,469 @@
+"""The gateway against a real Redis and a fake scheduler (``tests/gateway_harness.py``), served by uvicorn.
+
+The fake scheduler echoes each prompt's token ids back as output, then a hidden EOS ("stop"), or
+stops at max_tokens ("length"); so expected texts are the prompt's own decode.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from fuseserve.gateway.app import GatewaySettings, create_app
+from gateway_harness import EOS, FakeScheduler, ServedApp
+
+from fuseserve.messages import CONTROL, ControlMessage
+from fuseserve.redis_launcher import launch_redis
+
+MODEL = "smollm2-135m-instruct"
+MAX_BODY = 64 * 1024
+MAX_QUEUE = 8
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with launch_redis() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def fake(redis_server):
+    sched = FakeScheduler(redis_server.url)
+    yield sched
+    sched.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset_fake(fake):
+    yield
+    fake.token_delay, fake.error_next, fake.duplicate = 0.0, None, False
+    fake.add_worker()
+    fake.set_waiting(0)
+
+
+@pytest.fixture(scope="module")
+def app(redis_server, smollm2_source, fake):
+    settings = GatewaySettings(
+        redis_server.url,
+        source=smollm2_source,
+        max_body_bytes=MAX_BODY,
+        max_queue=MAX_QUEUE,
+        admission_cache_s=0,
+        disconnect_poll_s=0.1,
+    )
+    return create_app(settings)
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    served = ServedApp(app)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=20) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_source):
+    return smollm2_source.load_tokenizer()
+
+
+def post(http, path, **body):
+    return http.post(path, json={"model": MODEL, **body})
+
+
+def sse_events(http, path, **body) -> list:
+    """All ``data:`` payloads of a streamed request (JSON decoded, "[DONE]" kept as is)."""
+    out = []
+    with http.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_works(http):
+    r = post(http, "/v1/completions", prompt="Still working?", max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "Still working"
+
+
+def assert_error(r, status: int, param: str | None = None, contains: str = ""):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["message"] and isinstance(err["type"], str)
+    if param is not None:
+        assert err["param"] == param, err
+    assert contains in err["message"], err["message"]
+    return err
+
+
+# --------------------------------------------------------------------------- plain endpoints
+def test_models_health_metrics(http, fake):
+    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert http.get("/health").json() == {"status": "ok", "workers": 1}
+    text = http.get("/metrics").text
+    for name in (
+        "fuseserve_requests_total",
+        "fuseserve_request_latency_seconds",
+        "fuseserve_ttft_seconds",
+        "fuseserve_inter_token_latency_seconds",
+        "fuseserve_generated_tokens_total",
+        "fuseserve_prompt_tokens_total",
+        "fuseserve_queue_depth",
+    ):
+        assert name in text
+
+
+# --------------------------------------------------------------------------- completions
+def test_completion_echo_usage_and_finish(http, tok, fake):
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ids = tok(prompt)["input_ids"]
+    body = post(http, "/v1/completions", prompt=prompt).json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert choice["text"] == prompt and choice["finish_reason"] == "stop"
+    # the hidden EOS counts in usage but not in the text
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(ids) + 1,
+        "total_tokens": 2 * len(ids) + 1,
+    }
+    # max_tokens defaults to what fits the context
+    assert fake.requests[-1].params["max_new_tokens"] == 8192 - len(ids)
+
+    body = post(http, "/v1/completions", prompt=prompt, max_tokens=3, temperature=0, seed=1).json()
+    assert body["choices"][0]["text"] == tok.decode(ids[:3])
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_completion_prompt_forms_and_n(http, tok):
+    ids = tok("Hello there")["input_ids"]
+    assert post(http, "/v1/completions", prompt=ids).json()["choices"][0]["text"] == "Hello there"
+    body = post(http, "/v1/completions", prompt=["A cat", "Hello there"], max_tokens=5).json()
+    assert [c["text"] for c in body["choices"]] == ["A cat", "Hello there"]
+    assert post(http, "/v1/completions", prompt=["A cat", ids]).status_code == 400  # not an OpenAI shape
+    body = post(http, "/v1/completions", prompt=[ids, ids[:1]], n=2, seed=7).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["Hello there"] * 2 + [tok.decode(ids[:1])] * 2
+    assert body["usage"]["prompt_tokens"] == len(ids) + 1  # once per prompt, not per n
+
+
+def test_completion_n_seeds_offset(http, fake):
+    post(http, "/v1/completions", prompt="x", n=3, seed=10)
+    assert [m.params["seed"] for m in fake.requests[-3:]] == [10, 11, 12]
+
+
+def test_stream_equals_non_stream_and_include_usage(http):
+    prompt = "Streaming text with ünïcödé and emoji 🎉 pieces."
+    whole = post(http, "/v1/completions", prompt=prompt).json()
+    events = sse_events(http, "/v1/completions", prompt=prompt, stream_options={"include_usage": True})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["text"] == prompt
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    plain = sse_events(http, "/v1/completions", prompt=prompt)
+    assert all("usage" not in c for c in plain[:-1])
+
+
+def test_stop_string_cuts_text_and_aborts(http, fake):
+    prompt = "one two three four five six seven eight"
+    body = post(http, "/v1/completions", prompt=prompt, stop=[" four", "nine"]).json()
+    assert body["choices"][0]["text"] == "one two three"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    sid = fake.requests[-1].seq_id
+    deadline = time.monotonic() + 2
+    while not fake.aborts_for([sid]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fake.aborts_for([sid])[0].reason == "stop"
+    events = sse_events(http, "/v1/completions", prompt=prompt, stop=" four")
+    assert "".join(c["choices"][0]["text"] for c in events[:-1]) == "one two three"
+    body = post(http, "/v1/completions", prompt=prompt, stop=" four", include_stop_str_in_output=True).json()
+    assert body["choices"][0]["text"] == "one two three four"
+
+
+def test_duplicate_events_are_dropped(http, fake):
+    fake.duplicate = True
+    body = post(http, "/v1/completions", prompt="no doubled words").json()
+    assert body["choices"][0]["text"] == "no doubled words"
+
+
+def test_completion_logprobs_and_token_ids(http, tok):
+    ids = tok("log probs")["input_ids"]
+    body = post(http, "/v1/completions", prompt=ids, logprobs=2, return_token_ids=True).json()
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"] == [-0.25] * len(ids)
+    assert all(len(d) == 2 for d in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0
+    assert choice["token_ids"] == ids + [EOS]
+    assert choice["prompt_tokens"] == len(ids)
+    assert choice["top_logprob_ids"][0] == [[ids[0], -0.25], [ids[0] + 1, -1.5]]
+    assert post(http, "/v1/completions", prompt=ids).json()["choices"][0]["logprobs"] is None
+
+
+# --------------------------------------------------------------------------- chat
+def test_chat_stream_and_non_stream(http, tok):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    body = post(http, "/v1/chat/completions", messages=messages).json()
+    assert body["object"] == "chat.completion"
+    msg = body["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"] == tok.decode(ids, skip_special_tokens=True)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    events = sse_events(
+        http, "/v1/chat/completions", messages=messages, stream_options={"include_usage": True}
+    )
+    chunks = [c for c in events[:-1] if c["choices"]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == msg["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["usage"] == body["usage"]
+    # content as text parts
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the capital "},
+                {"type": "text", "text": "of France?"},
+            ],
+        }
+    ]
+    assert post(http, "/v1/chat/completions", messages=parts).json()["choices"][0]["message"] == msg
+
+
+def test_chat_logprobs_shape(http):
+    messages = [{"role": "user", "content": "Hi"}]
+    body = post(
+        http, "/v1/chat/completions", messages=messages, max_tokens=4, logprobs=True, top_logprobs=3
+    ).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    assert set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert len(content[0]["top_logprobs"]) == 3
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    r = post(http, "/v1/chat/completions", messages=messages, top_logprobs=3)
+    assert_error(r, 400, "top_logprobs")
+
+
+# --------------------------------------------------------------------------- bad input
+BAD_COMPLETIONS = [
+    ({"prompt": ""}, 400, "prompt", "empty"),
+    ({"prompt": []}, 400, "prompt", ""),
+    ({"prompt": [[]]}, 400, "prompt", "empty"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ""),
+    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens", ""),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", ""),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature", ""),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature", ""),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p", ""),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream", ""),
+    ({"prompt": 5}, 400, "prompt", ""),
+    ({"prompt": [1, "a"]}, 400, "prompt", ""),
+    ({"prompt": [10**9]}, 400, "prompt", "outside"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs", ""),
+    ({"prompt": "x", "n": 0}, 400, "n", ""),
+    ({"prompt": "x", "echo": True}, 400, "echo", ""),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of", "best_of"),
+    ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
+    ({"prompt": "x", "max_tokens": 9000}, 400, "max_tokens", "8192"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    ({"max_tokens": 3}, 400, "prompt", "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,contains", BAD_COMPLETIONS)
+def test_bad_completion_requests(http, body, status, param, contains):
+    r = http.post("/v1/completions", json={"model": MODEL, **body})
+    assert_error(r, status, param, contains)
+    assert_works(http)
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHATS)
+def test_bad_chat_requests(http, body, param):
+    assert_error(http.post("/v1/chat/completions", json={"model": MODEL, **body}), 400, param)
+    assert_works(http)
+
+
+def test_model_field_required(http):
+    assert_error(http.post("/v1/completions", json={"prompt": "x"}), 400, "model", "model")
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_invalid_json(http, raw):
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_error(r, 400)
+    assert_works(http)
+
+
+def test_prompt_over_context_names_the_numbers(http, tok):
+    ids = [tok("hello")["input_ids"][0]] * 8000
+    err = assert_error(post(http, "/v1/completions", prompt=ids, max_tokens=500), 400, "max_tokens")
+    assert "8192" in err["message"] and "8000" in err["message"] and "500" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    err = assert_error(post(http, "/v1/completions", prompt=[ids[0]] * 8192), 400, "prompt", "8192")
+    assert_works(http)
+
+
+def test_body_too_large(http):
+    r = post(http, "/v1/completions", prompt="x" * (MAX_BODY + 10))
+    assert_error(r, 413, contains=str(MAX_BODY))
+
+    def chunks():  # no Content-Length: the size is counted while reading
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        for _ in range(MAX_BODY // 1024 + 2):
+            yield b"y" * 1024
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(r, 413)
+    assert_works(http)
+
+
+def test_queue_full_429(http, fake):
+    fake.set_waiting(MAX_QUEUE)
+    r = post(http, "/v1/completions", prompt="x")
+    assert_error(r, 429, contains=str(MAX_QUEUE))
+    assert int(r.headers["retry-after"]) >= 1
+    assert "fuseserve_queue_depth 8.0" in http.get("/metrics").text
+    fake.set_waiting(MAX_QUEUE - 1)
+    assert_works(http)
+
+
+def test_no_worker_503(http, fake):
+    fake.remove_worker()
+    assert_error(post(http, "/v1/chat/completions", messages=[{"role": "user", "content": "x"}]), 503)
+    assert http.get("/health").status_code == 503
+    fake.add_worker()
+    assert http.get("/health").status_code == 200
+    assert_works(http)
+
+
+def test_unknown_route_and_method_are_openai_json(http):
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+
+
+# --------------------------------------------------------------------------- scheduler errors, disconnects
+def test_scheduler_error_event(http, fake):
+    fake.error_next = {
+        "message": "prompt too long for any worker",
+        "type": "invalid_request_error",
+        "status": 400,
+    }
+    assert_error(post(http, "/v1/completions", prompt="x"), 400, contains="too long")
+    fake.error_next = {"message": "worker lost", "type": "server_error", "status": 503}
+    events = sse_events(http, "/v1/completions", prompt="x")
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == "worker lost" and events[-2]["error"]["status"] == 503
+    assert_works(http)
+
+
+def test_client_disconnect_mid_stream_aborts(http, server, fake):
+    fake.token_delay = 0.02
+    n_before = len(fake.requests)
+    with httpx.Client(base_url=server.url, timeout=10) as other:
+        body = {"model": MODEL, "prompt": "tick tock", "ignore_eos": True, "max_tokens": 2000, "stream": True}
+        with other.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(4)]
+            assert any(line.startswith("data: ") for line in got)
+        closed_at = time.monotonic()
+    sid = fake.requests[n_before].seq_id
+    while not fake.aborts_for([sid]) and time.monotonic() - closed_at < 2:
+        time.sleep(0.02)
+    assert [a.reason for a in fake.aborts_for([sid])] == ["abort"]
+    assert_works(http)
+
+
+def test_client_disconnect_non_stream_aborts(server, fake, http):
+    fake.token_delay = 0.02
+    n_before = len(fake.requests)
+    body = {"model": MODEL, "prompt": "tick tock", "ignore_eos": True, "max_tokens": 2000}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=0.5) as other:
+        other.post("/v1/completions", json=body)
+    closed_at = time.monotonic()
+    sid = fake.requests[n_before].seq_id
+    while not fake.aborts_for([sid]) and time.monotonic() - closed_at < 2:
+        time.sleep(0.02)
+    assert fake.aborts_for([sid]), "no abort within 2 s of the disconnect"
+    assert_works(http)
+
+
+def test_abort_messages_are_on_the_control_stream(fake):
+    entries = fake.r.xrange(CONTROL)
+    assert entries and all(ControlMessage.decode(f).kind == "abort" for _id, f in entries)
+
+
+def test_metrics_count_outcomes(http):
+    text = http.get("/metrics").text
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values['fuseserve_requests_total{status="ok"}'] >= 10
+    assert values['fuseserve_requests_total{status="client_error"}'] >= 20
+    assert values['fuseserve_requests_total{status="abort"}'] >= 2
+    assert values["fuseserve_generated_tokens_total"] > 0 and values["fuseserve_prompt_tokens_total"] > 0
+    assert (
+        values["fuseserve_ttft_seconds_count"] > 0
+        and values["fuseserve_inter_token_latency_seconds_count"] > 0
+    )
+
+
+# --------------------------------------------------------------------------- the official openai package
+def test_openai_package(server, tok):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    out = client.completions.create(model=MODEL, prompt="Paris is nice", max_tokens=10)
+    assert out.choices[0].text == "Paris is nice" and out.usage.completion_tokens == 4
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt="Paris is nice", stream=True)
+        if c.choices
+    ]
+    assert "".join(pieces) == "Paris is nice"
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 5
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    assert [m.id for m in client.models.list()] == [MODEL]
