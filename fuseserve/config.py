@@ -91,5 +91,9 @@ class EngineConfig:
             raise InvalidParameterError("block_size", self.block_size, ">= 1")
         if self.policy not in ("splitfuse", "prefill_first", "whole_prompt"):
             raise InvalidParameterError("policy", self.policy, "splitfuse, prefill_first, whole_prompt")
+        if self.watermark_blocks < 0:
+            raise InvalidParameterError("watermark_blocks", self.watermark_blocks, ">= 0")
+        if self.max_preemptions < 0:
+            raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)

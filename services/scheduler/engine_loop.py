@@ -37,6 +37,7 @@ class EngineLoop:
     def add_worker(self, name: str, handle: WorkerHandle) -> None:
         self.workers[name] = handle
         if self._pool._max_workers < len(self.workers):
+            self._pool.shutdown(wait=False)
             self._pool = ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="step")
 
     def step(self) -> list[TokenEvent]:
