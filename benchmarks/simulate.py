@@ -32,12 +32,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from fuseserve.scheduler.scheduler import Scheduler
-from fuseserve.scheduler.sequence import Sequence
 
 from benchmarks.metrics import RequestTrace, scale_sla, summarize, write_jsonl
 from fuseserve.config import EngineConfig
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.scheduler import Scheduler
+from fuseserve.scheduler.sequence import Sequence
 from fuseserve.types import SampledToken, StepPlan, StepResult
 
 LLAMA2_7B_PARAMS = 6.74e9  # matmul parameters of Llama-2 7B (embeddings included in the LM head)
