@@ -27,8 +27,9 @@ def main() -> None:
     from fuseserve.worker.model_runner import ModelRunner
 
     src = resolve_model(a.model)
-    runner = ModelRunner(src.path, src.config, src.eos_token_ids(), EngineConfig(kv_cache_memory="256MiB"),
-                         progress=False)
+    runner = ModelRunner(
+        src.path, src.config, src.eos_token_ids(), EngineConfig(kv_cache_memory="256MiB"), progress=False
+    )
     hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0.0)
     print(f"torch threads: {torch.get_num_threads()}; model: {src.name}")

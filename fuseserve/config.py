@@ -51,8 +51,14 @@ def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.d
         return name
     if name in (None, "auto"):
         return default_dtype(device)
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise InvalidParameterError("dtype", name, "auto, float32, bfloat16 or float16")
     return table[name]

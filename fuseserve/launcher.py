@@ -64,15 +64,36 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         stack.redis = launch_redis()
         url = stack.redis.url
         common = ["--log-level", args.log_level]
-        engine = ["--block-size", str(args.block_size), "--policy", args.policy, "--max-num-seqs",
-                  str(args.max_num_seqs)]
+        engine = [
+            "--block-size",
+            str(args.block_size),
+            "--policy",
+            args.policy,
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+        ]
         if args.token_budget:
             engine += ["--token-budget", str(args.token_budget)]
         stack.spawn("scheduler", [*common, "scheduler", "--redis-url", url, *engine])
         threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
         for i in range(args.workers):
-            worker = [*common, "worker", "--redis-url", url, "--model", args.model, "--host", "127.0.0.1",
-                      "--port", "0", "--threads", str(threads), "--worker-id", f"worker-{i}", *engine]
+            worker = [
+                *common,
+                "worker",
+                "--redis-url",
+                url,
+                "--model",
+                args.model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--threads",
+                str(threads),
+                "--worker-id",
+                f"worker-{i}",
+                *engine,
+            ]
             if args.kv_cache_memory:
                 worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
             if args.device:
@@ -80,8 +101,21 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
             if args.dtype:
                 worker += ["--dtype", args.dtype]
             stack.spawn(f"worker-{i}", worker)
-        stack.spawn("gateway", [*common, "gateway", "--redis-url", url, "--model", args.model, "--host", args.host,
-                                "--port", str(args.port)])
+        stack.spawn(
+            "gateway",
+            [
+                *common,
+                "gateway",
+                "--redis-url",
+                url,
+                "--model",
+                args.model,
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+            ],
+        )
         base = f"http://{args.host}:{args.port}"
         wait_healthy(stack, base, args.workers)
         return stack, base
@@ -115,8 +149,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    print(f"fuseserve is serving {args.model} with {args.workers} worker(s) at {base}/v1 "
-          f"(OpenAI-compatible; Ctrl-C stops)", flush=True)
+    print(
+        f"fuseserve is serving {args.model} with {args.workers} worker(s) at {base}/v1 "
+        f"(OpenAI-compatible; Ctrl-C stops)",
+        flush=True,
+    )
     try:
         while not stop["now"]:
             stack.check_alive()

@@ -38,29 +38,42 @@ def _worker(a):
 
 def add_parsers(sub, engine_args) -> None:
     """Register ``serve``, ``gateway``, ``scheduler`` and ``worker`` on the ``fuseserve`` parser."""
-    s = sub.add_parser("serve", help="start the whole stack locally (Redis, scheduler, workers, gateway)",
-                       description="Start Redis, the scheduler, N workers and the OpenAI-compatible gateway "
-                                   "on this machine; Ctrl-C stops them all.")
+    s = sub.add_parser(
+        "serve",
+        help="start the whole stack locally (Redis, scheduler, workers, gateway)",
+        description="Start Redis, the scheduler, N workers and the OpenAI-compatible gateway "
+        "on this machine; Ctrl-C stops them all.",
+    )
     engine_args(s)
     s.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
     s.add_argument("--host", default="127.0.0.1", help="gateway host (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
-    s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    s.add_argument(
+        "--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)"
+    )
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     _redis(g)
-    g.add_argument("--model", default="smollm2-135m-instruct", help="model alias, directory or .gguf (tokenizer)")
+    g.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model alias, directory or .gguf (tokenizer)"
+    )
     g.add_argument("--host", default="127.0.0.1", help="bind host (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="bind port (default: 8000)")
     g.add_argument("--max-queue", type=int, default=1024, help="waiting sequences before 429 (default: 1024)")
-    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)")
-    g.add_argument("--metrics-port", type=int, default=None, help="unused: the gateway serves /metrics itself")
+    g.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
+    )
+    g.add_argument(
+        "--metrics-port", type=int, default=None, help="unused: the gateway serves /metrics itself"
+    )
     g.set_defaults(func=_gateway)
 
     c = sub.add_parser("scheduler", help="the central SplitFuse scheduler")
     _redis(c)
-    c.add_argument("--token-budget", type=int, default=None, help="tokens per pass (default: each worker's own)")
+    c.add_argument(
+        "--token-budget", type=int, default=None, help="tokens per pass (default: each worker's own)"
+    )
     c.add_argument("--max-num-seqs", type=int, default=256, help="sequences per pass (default: 256)")
     c.add_argument("--policy", default="splitfuse", choices=["splitfuse", "prefill_first", "whole_prompt"])
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must match the workers)")

@@ -27,20 +27,31 @@ def write_kv(
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
-def context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """Flat slots ``[context_len]`` of positions ``0..context_len-1`` of a sequence."""
-    num_blocks = -(-context_len // block_size)
-    offsets = torch.arange(block_size, device=block_table.device)
-    return (block_table[:num_blocks, None].long() * block_size + offsets).flatten()[:context_len]
+def context_blocks(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Block ids ``[ceil(context_len / block_size)]`` holding positions ``0..context_len-1``."""
+    return block_table[: -(-context_len // block_size)].long()
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Copy whole blocks (``blocks [...]``) out of ``cache`` → ``[..., n * block_size, kvh, d]``.
+
+    Block-granular ``index_select`` moves ``block_size * kvh * d`` contiguous elements per index,
+    which is much faster on CPU than gathering token slots one by one.
+    """
+    bs, kvh, d = cache.shape[1:]
+    out = cache.index_select(0, blocks.reshape(-1))
+    return out.view(*blocks.shape[:-1], blocks.shape[-1] * bs, kvh, d)
 
 
 @dataclass
 class PrefillChunk:
-    """One multi-token chunk: tokens ``start:end`` of the pass, keys at ``slots``, ``mask [q, ctx]`` or None=causal."""
+    """One multi-token chunk: tokens ``start:end`` of the pass attending to ``context_len`` keys held
+    in ``blocks``; ``mask [q, context_len]`` or None for plain causal."""
 
     start: int
     end: int
-    slots: torch.Tensor
+    blocks: torch.Tensor
+    context_len: int
     mask: torch.Tensor | None
 
 
@@ -50,8 +61,8 @@ class TorchAttentionPlan:
 
     slot_mapping: torch.Tensor
     decode_token_idx: torch.Tensor | None = None  # [Sd] tokens that are single-token chunks
-    decode_slots: torch.Tensor | None = None  # [Sd, Lmax] context slots, padded with slot 0
-    decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, Lmax] True where a key is visible
+    decode_blocks: torch.Tensor | None = None  # [Sd, max_blocks] block ids, padded with block 0
+    decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, max_blocks * block_size] True where a key is visible
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -73,25 +84,26 @@ def plan_attention(
     """Group a ragged batch into one batched decode call plus one call per prefill chunk."""
     device = slot_mapping.device
     plan = TorchAttentionPlan(slot_mapping=slot_mapping)
-    dec_idx, dec_rows = [], []
+    dec_idx, dec_rows, dec_lens = [], [], []
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens, strict=True)):
-        slots = context_slots(block_tables[i], ctx_len, block_size)
+        blocks = context_blocks(block_tables[i], ctx_len, block_size)
         if q_len == 1:
             dec_idx.append(start)
-            dec_rows.append(slots)
+            dec_rows.append(blocks)
+            dec_lens.append(ctx_len)
         else:
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
             mask = None
             if ctx_len != q_len or (sliding_window is not None and ctx_len > sliding_window):
                 mask = _visible(q_pos, torch.arange(ctx_len, device=device), sliding_window)
-            plan.prefills.append(PrefillChunk(start, start + q_len, slots, mask))
+            plan.prefills.append(PrefillChunk(start, start + q_len, blocks, ctx_len, mask))
         start += q_len
     if dec_rows:
-        lmax = max(len(r) for r in dec_rows)
-        lens = torch.tensor([len(r) for r in dec_rows], device=device)
-        plan.decode_slots = torch.stack([F.pad(r, (0, lmax - len(r))) for r in dec_rows])
-        k_pos = torch.arange(lmax, device=device)
+        nmax = max(len(r) for r in dec_rows)
+        lens = torch.tensor(dec_lens, device=device)
+        plan.decode_blocks = torch.stack([F.pad(r, (0, nmax - len(r))) for r in dec_rows])
+        k_pos = torch.arange(nmax * block_size, device=device)
         mask = k_pos[None, :] < lens[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > (lens[:, None] - 1) - sliding_window
@@ -107,23 +119,21 @@ def paged_attention(
 
     The current tokens' K/V must already be written (``write_kv``).
     """
-    num_heads, d = q.shape[1], q.shape[2]
     kvh = k_cache.shape[2]
-    k_flat, v_flat = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
     out = torch.empty_like(q)
-    gqa = num_heads != kvh
+    gqa = q.shape[1] != kvh
     if plan.decode_token_idx is not None:
         qd = q[plan.decode_token_idx].unsqueeze(2)  # [Sd, H, 1, D]
-        kd = k_flat[plan.decode_slots].transpose(1, 2)  # [Sd, KVH, L, D]
-        vd = v_flat[plan.decode_slots].transpose(1, 2)
+        kd = gather_blocks(k_cache, plan.decode_blocks).transpose(1, 2)  # [Sd, KVH, L, D]
+        vd = gather_blocks(v_cache, plan.decode_blocks).transpose(1, 2)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa
         )
         out[plan.decode_token_idx] = od.squeeze(2)
     for c in plan.prefills:
         qp = q[c.start : c.end].transpose(0, 1)  # [H, q, D]
-        kp = k_flat[c.slots].transpose(0, 1)  # [KVH, L, D]
-        vp = v_flat[c.slots].transpose(0, 1)
+        kp = gather_blocks(k_cache, c.blocks)[: c.context_len].transpose(0, 1)  # [KVH, L, D]
+        vp = gather_blocks(v_cache, c.blocks)[: c.context_len].transpose(0, 1)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=gqa
         )

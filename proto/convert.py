@@ -9,7 +9,6 @@ worker turns it back with :func:`step_plan_from_proto`, runs it, and answers wit
 from __future__ import annotations
 
 from fuseserve.proto import worker_pb2 as pb
-
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 

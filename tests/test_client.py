@@ -6,7 +6,6 @@ The fake scheduler (``tests/gateway_harness.py``) echoes the prompt ids, then a 
 from __future__ import annotations
 
 import pytest
-from fuseserve.gateway.app import GatewaySettings, create_app
 from gateway_harness import EOS, FakeScheduler, ServedApp
 
 import fuseserve
@@ -17,6 +16,7 @@ from fuseserve.errors import (
     NoWorkerError,
     QueueFullError,
 )
+from fuseserve.gateway.app import GatewaySettings, create_app
 from fuseserve.redis_launcher import free_port, launch_redis
 
 MAX_QUEUE = 4

@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
-from fuseserve.gateway.app import GatewaySettings, create_app
 from gateway_harness import EOS, FakeScheduler, ServedApp
 
+from fuseserve.gateway.app import GatewaySettings, create_app
 from fuseserve.messages import CONTROL, ControlMessage
 from fuseserve.redis_launcher import launch_redis
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_driver import chunked_logits
-from fuseserve.worker.model_runner import ModelRunner
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, OPTConfig
 
 from fuseserve.config import EngineConfig
+from fuseserve.worker.model_runner import ModelRunner
 
 ATOL = 1e-4
 

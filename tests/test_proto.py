@@ -10,10 +10,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
-
 from fuseserve.redis_launcher import free_port
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob

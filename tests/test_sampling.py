@@ -7,13 +7,6 @@ import math
 
 import pytest
 import torch
-from fuseserve.worker.sampler import (
-    Sampler,
-    SeqSamplingState,
-    apply_penalties,
-    apply_warpers,
-    process_logits,
-)
 from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -24,6 +17,13 @@ from transformers import (
 
 from fuseserve.errors import InvalidParameterError, InvalidRequestError
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.worker.sampler import (
+    Sampler,
+    SeqSamplingState,
+    apply_penalties,
+    apply_warpers,
+    process_logits,
+)
 
 V = 257
 

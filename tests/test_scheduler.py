@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import pytest
 from fake_worker import EOS, FakeWorker
-from fuseserve.scheduler.engine_loop import EngineLoop
-from fuseserve.scheduler.scheduler import Scheduler
-from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 
 from fuseserve.config import EngineConfig
 from fuseserve.errors import InvalidRequestError
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.engine_loop import EngineLoop
+from fuseserve.scheduler.scheduler import Scheduler
+from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 
 MAX_MODEL_LEN = 4096
 

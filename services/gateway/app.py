@@ -22,6 +22,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from fuseserve.detokenizer import DetokenizeStream
+from fuseserve.errors import FuseServeError, InvalidRequestError
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
@@ -36,10 +40,6 @@ from fuseserve.gateway.prompts import PromptEncoder
 from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.streams import ResponseRouter
-from pydantic import ValidationError
-
-from fuseserve.detokenizer import DetokenizeStream
-from fuseserve.errors import FuseServeError, InvalidRequestError
 from fuseserve.model_source import ModelSource, resolve_model
 
 log = logging.getLogger(__name__)

@@ -14,11 +14,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.gateway.errors import SchedulerRejectedError
 from fuseserve.gateway.metrics import GatewayMetrics
 from fuseserve.gateway.streams import ResponseRouter
-
-from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.messages import RequestMessage, TokenMessage
 from fuseserve.sampling_params import SamplingParams
 

@@ -9,9 +9,8 @@ and prompt + max_tokens against the context (``ContextLengthExceededError`` with
 
 from __future__ import annotations
 
-from fuseserve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-
 from fuseserve.errors import ContextLengthExceededError, InvalidParameterError, InvalidRequestError
+from fuseserve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16

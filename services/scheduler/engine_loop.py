@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
-
 from fuseserve.types import StepPlan, StepResult
 
 log = logging.getLogger(__name__)

@@ -21,12 +21,11 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+from fuseserve.config import EngineConfig
+from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
 from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.policies import Policy, get_policy, schedule_decodes
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
-
-from fuseserve.config import EngineConfig
-from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult
 
 log = logging.getLogger(__name__)

@@ -46,8 +46,13 @@ class GrpcWorker:
 
     def __init__(self, record: messages.WorkerRecord):
         self.record = record
-        self.channel = grpc.insecure_channel(record.address, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        self.channel = grpc.insecure_channel(
+            record.address,
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ],
+        )
         self.stub = pb_grpc.WorkerStub(self.channel)
 
     def step(self, plan: StepPlan) -> StepResult:
@@ -77,12 +82,18 @@ class SchedulerMetrics:
         self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
         self.running = Gauge("fuseserve_running_seqs", "sequences running", registry=self.registry)
         self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
-        self.preemptions = Counter("fuseserve_preemptions_total", "sequences preempted", registry=self.registry)
-        self.step_tokens = Histogram("fuseserve_step_tokens", "tokens per pass (all workers)",
-                                     registry=self.registry,
-                                     buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
-        self.step_seconds = Histogram("fuseserve_step_seconds", "seconds per scheduler step (plan → tokens)",
-                                      registry=self.registry)
+        self.preemptions = Counter(
+            "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
+        )
+        self.step_tokens = Histogram(
+            "fuseserve_step_tokens",
+            "tokens per pass (all workers)",
+            registry=self.registry,
+            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+        )
+        self.step_seconds = Histogram(
+            "fuseserve_step_seconds", "seconds per scheduler step (plan → tokens)", registry=self.registry
+        )
         if port:
             start_http_server(port, registry=self.registry)
 
@@ -90,8 +101,13 @@ class SchedulerMetrics:
 class SchedulerService:
     """Owns the ``Scheduler``; single-threaded loop over Redis and gRPC."""
 
-    def __init__(self, redis_url: str, config: EngineConfig, consumer: str | None = None,
-                 metrics_port: int | None = None):
+    def __init__(
+        self,
+        redis_url: str,
+        config: EngineConfig,
+        consumer: str | None = None,
+        metrics_port: int | None = None,
+    ):
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.config = config
         self.scheduler = Scheduler(config, eos_token_ids=[])
@@ -116,8 +132,14 @@ class SchedulerService:
         # re-claim what a previous scheduler left unfinished (its pending entries)
         start = "0-0"
         while True:
-            start, entries, *_ = self.r.xautoclaim(messages.REQUESTS, messages.SCHEDULER_GROUP, self.consumer,
-                                                   min_idle_time=0, start_id=start, count=100)
+            start, entries, *_ = self.r.xautoclaim(
+                messages.REQUESTS,
+                messages.SCHEDULER_GROUP,
+                self.consumer,
+                min_idle_time=0,
+                start_id=start,
+                count=100,
+            )
             self._add_requests(entries)
             if start == "0-0" or not entries:
                 break
@@ -149,10 +171,17 @@ class SchedulerService:
                 handle.close()
                 continue
             self.scheduler.eos_token_ids = set(rec.eos_token_ids)
-            self.scheduler.add_worker(wid, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget)
+            self.scheduler.add_worker(
+                wid, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
+            )
             self.loop.add_worker(wid, handle)
-            log.info("worker %s joined at %s (%d blocks, budget %d)", wid, rec.address, rec.num_blocks,
-                     self.scheduler.slots[wid].token_budget)
+            log.info(
+                "worker %s joined at %s (%d blocks, budget %d)",
+                wid,
+                rec.address,
+                rec.num_blocks,
+                self.scheduler.slots[wid].token_budget,
+            )
         self.metrics.workers.set(len(self.loop.workers))
 
     # ----- requests -----
@@ -170,17 +199,22 @@ class SchedulerService:
                 seq = Sequence(msg.seq_id, msg.prompt_token_ids, params)
                 self.scheduler.add(seq)
             except FuseServeError as e:
-                errors[msg.gateway_id].append(messages.TokenMessage(
-                    msg.seq_id, finish_reason="abort",
-                    error={"message": str(e), "type": e.error_type, "status": e.http_status}))
+                errors[msg.gateway_id].append(
+                    messages.TokenMessage(
+                        msg.seq_id,
+                        finish_reason="abort",
+                        error={"message": str(e), "type": e.error_type, "status": e.http_status},
+                    )
+                )
                 self._ack(entry_id)
                 continue
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
         self._publish(errors)
 
     def _read_requests(self, block_ms: int | None) -> None:
-        resp = self.r.xreadgroup(messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=256,
-                                 block=block_ms)
+        resp = self.r.xreadgroup(
+            messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=256, block=block_ms
+        )
         for _, entries in resp or []:
             self._add_requests(entries)
 
@@ -204,15 +238,17 @@ class SchedulerService:
             if owner is None:
                 continue
             tok = ev.token
-            by_gateway[owner.gateway_id].append(messages.TokenMessage(
-                seq_id=ev.seq_id,
-                index=len(owner.seq.output_token_ids) - 1 if tok else -1,
-                token_id=tok.token_id if tok else None,
-                logprob=tok.logprob if tok else None,
-                top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok else [],
-                hidden=ev.hidden,
-                finish_reason=ev.finish_reason.value if ev.finish_reason else None,
-            ))
+            by_gateway[owner.gateway_id].append(
+                messages.TokenMessage(
+                    seq_id=ev.seq_id,
+                    index=len(owner.seq.output_token_ids) - 1 if tok else -1,
+                    token_id=tok.token_id if tok else None,
+                    logprob=tok.logprob if tok else None,
+                    top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok else [],
+                    hidden=ev.hidden,
+                    finish_reason=ev.finish_reason.value if ev.finish_reason else None,
+                )
+            )
             if ev.finish_reason is not None:
                 finished.append(ev.seq_id)
         self._publish(by_gateway)
@@ -224,8 +260,12 @@ class SchedulerService:
             return
         pipe = self.r.pipeline(transaction=False)
         for gw, evs in by_gateway.items():  # one batched write per gateway per step
-            pipe.xadd(messages.responses_stream(gw), messages.encode_events(evs),
-                      maxlen=messages.RESPONSE_STREAM_MAXLEN, approximate=True)
+            pipe.xadd(
+                messages.responses_stream(gw),
+                messages.encode_events(evs),
+                maxlen=messages.RESPONSE_STREAM_MAXLEN,
+                approximate=True,
+            )
         pipe.execute()
 
     def _finish(self, seq_id: int) -> None:
@@ -263,9 +303,15 @@ class SchedulerService:
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
         if now - self._last_stats >= STATS_INTERVAL_S:
             waiting, running = len(self.scheduler.waiting), self.scheduler.num_running
-            workers = {name: {"admitted": s.num_admitted, "running": len(s.running),
-                              "free_blocks": s.account.num_free, "num_blocks": s.account.num_blocks}
-                       for name, s in self.scheduler.slots.items()}
+            workers = {
+                name: {
+                    "admitted": s.num_admitted,
+                    "running": len(s.running),
+                    "free_blocks": s.account.num_free,
+                    "num_blocks": s.account.num_blocks,
+                }
+                for name, s in self.scheduler.slots.items()
+            }
             stats = {"waiting": waiting, "running": running, "time": time.time(), "workers": workers}
             self.r.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
             self.metrics.queue_depth.set(waiting)
@@ -284,8 +330,12 @@ class SchedulerService:
 
 def run_scheduler(args: argparse.Namespace) -> int:
     """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT."""
-    config = EngineConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs, policy=args.policy,
-                          block_size=args.block_size)
+    config = EngineConfig(
+        token_budget=args.token_budget,
+        max_num_seqs=args.max_num_seqs,
+        policy=args.policy,
+        block_size=args.block_size,
+    )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from fuseserve.kernels import reference
 from fuseserve.worker.kv_cache import KVCache
 from fuseserve.worker.ragged_batch import RaggedBatch

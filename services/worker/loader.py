@@ -7,11 +7,11 @@ import logging
 from pathlib import Path
 
 import torch
-from fuseserve.worker.models import model_class
 from safetensors import safe_open
 from tqdm import tqdm
 
 from fuseserve.errors import ModelLoadError
+from fuseserve.worker.models import model_class
 
 log = logging.getLogger(__name__)
 

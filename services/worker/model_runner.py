@@ -12,15 +12,15 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from fuseserve.config import EngineConfig, default_device, parse_dtype, parse_memory
+from fuseserve.errors import KVCacheTooSmallError, SchedulerError
+from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.kv_cache import BlockAllocator, BlockTables, KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
 from fuseserve.worker.ragged_batch import RaggedBatch
 from fuseserve.worker.sampler import Sampler, SeqSamplingState
-
-from fuseserve.config import EngineConfig, default_device, parse_dtype, parse_memory
-from fuseserve.errors import KVCacheTooSmallError, SchedulerError
-from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def Info(self, request, context):
         i = self.runner.info
-        return pb.WorkerInfo(worker_id=self.worker_id, model=self.model_name, block_size=i.block_size,
-                             num_blocks=i.num_blocks, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
-                             eos_token_ids=i.eos_token_ids, device=i.device, dtype=i.dtype)
+        return pb.WorkerInfo(
+            worker_id=self.worker_id,
+            model=self.model_name,
+            block_size=i.block_size,
+            num_blocks=i.num_blocks,
+            max_model_len=i.max_model_len,
+            vocab_size=i.vocab_size,
+            eos_token_ids=i.eos_token_ids,
+            device=i.device,
+            dtype=i.dtype,
+        )
 
     def Step(self, request, context):
         plan = convert.step_plan_from_proto(request)
@@ -66,8 +74,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return pb.FreeResponse(num_free_blocks=self.runner.num_free_blocks)
 
     def Health(self, request, context):
-        return pb.HealthResponse(ok=True, num_free_blocks=self.runner.num_free_blocks,
-                                 num_running_seqs=len(self.runner.seqs))
+        return pb.HealthResponse(
+            ok=True, num_free_blocks=self.runner.num_free_blocks, num_running_seqs=len(self.runner.seqs)
+        )
 
 
 class WorkerMetrics:
@@ -77,12 +86,18 @@ class WorkerMetrics:
         from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
-        self.free_blocks = Gauge("fuseserve_kv_free_blocks", "free KV-cache blocks", ["worker"],
-                                 registry=self.registry).labels(worker_id)
-        self.step_tokens = Histogram("fuseserve_step_tokens", "tokens per forward pass", registry=self.registry,
-                                     buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
-        self.step_seconds = Histogram("fuseserve_step_seconds", "seconds per step on the worker",
-                                      registry=self.registry)
+        self.free_blocks = Gauge(
+            "fuseserve_kv_free_blocks", "free KV-cache blocks", ["worker"], registry=self.registry
+        ).labels(worker_id)
+        self.step_tokens = Histogram(
+            "fuseserve_step_tokens",
+            "tokens per forward pass",
+            registry=self.registry,
+            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+        )
+        self.step_seconds = Histogram(
+            "fuseserve_step_seconds", "seconds per step on the worker", registry=self.registry
+        )
         start_http_server(port, registry=self.registry)
 
     def observe_step(self, tokens: int, seconds: float, free_blocks: int) -> None:
@@ -103,8 +118,9 @@ def run_worker(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     worker_id = getattr(args, "worker_id", None) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     source = resolve_model(args.model)
-    config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, device=args.device,
-                          dtype=args.dtype)
+    config = EngineConfig(
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype
+    )
     runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
     budget = args.token_budget or choose_token_budget(runner, str(source.path))
     metrics = WorkerMetrics(worker_id, args.metrics_port) if getattr(args, "metrics_port", None) else None
@@ -115,9 +131,18 @@ def run_worker(args: argparse.Namespace) -> int:
     server.start()
     address = f"{getattr(args, 'advertise_host', None) or args.host}:{port}"
     info = runner.info
-    record = messages.WorkerRecord(worker_id, address, source.name, info.block_size, info.num_blocks,
-                                   info.max_model_len, info.vocab_size, info.eos_token_ids, budget,
-                                   getattr(args, "metrics_port", None))
+    record = messages.WorkerRecord(
+        worker_id,
+        address,
+        source.name,
+        info.block_size,
+        info.num_blocks,
+        info.max_model_len,
+        info.vocab_size,
+        info.eos_token_ids,
+        budget,
+        getattr(args, "metrics_port", None),
+    )
     r = redis.Redis.from_url(args.redis_url)
     stop = threading.Event()
 
@@ -130,8 +155,14 @@ def run_worker(args: argparse.Namespace) -> int:
             stop.wait(messages.HEARTBEAT_S)
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
-    log.info("worker %s serving %s at %s (%d KV blocks, token budget %d)", worker_id, source.name, address,
-             info.num_blocks, budget)
+    log.info(
+        "worker %s serving %s at %s (%d KV blocks, token budget %d)",
+        worker_id,
+        source.name,
+        address,
+        info.num_blocks,
+        budget,
+    )
     print(f"fuseserve worker {worker_id} ready at {address}", flush=True)
 
     def shutdown(*_):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from fuseserve.errors import UnsupportedModelError
 from fuseserve.worker.models.llama import LlamaForCausalLM
 from fuseserve.worker.models.mistral import MistralForCausalLM
 from fuseserve.worker.models.opt import OPTForCausalLM
-
-from fuseserve.errors import UnsupportedModelError
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

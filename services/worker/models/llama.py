@@ -12,9 +12,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from fuseserve.worker.attention import attention
 from fuseserve.worker.models.layers import RMSNorm, Rotary, copy_into
-from torch import nn
 
 
 class Attention(nn.Module):

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from fuseserve.worker.attention import attention
-from fuseserve.worker.models.layers import copy_into
 from torch import nn
 from transformers.activations import ACT2FN
+
+from fuseserve.worker.attention import attention
+from fuseserve.worker.models.layers import copy_into
 
 POSITION_OFFSET = 2
 
