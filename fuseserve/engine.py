@@ -131,8 +131,27 @@ class Pipeline:
         params = SamplingParams.from_kwargs(**kwargs).validate()
         ids = self._encode(prompt)
         self._check_length(ids, params)
+        return self._lazy_events(ids, params, with_tokens=False)
+
+    def stream_tokens(self, prompt: Prompt, **kwargs) -> Iterator[tuple[int, str]]:
+        """Yield ``(token_id, text_delta)`` for every generated token as the engine produces it.
+
+        ``text_delta`` may be ``""`` (an incomplete UTF-8 character or text held back as a possible
+        stop string; it arrives with a later token). Same keywords and errors as ``__call__``.
+        """
+        params = SamplingParams.from_kwargs(**kwargs).validate()
+        ids = self._encode(prompt)
+        self._check_length(ids, params)
+        return self._lazy_events(ids, params, with_tokens=True)
+
+    def _lazy_events(self, ids: list[int], params: SamplingParams, with_tokens: bool):
+        """Submit on the first ``next()``, so a stream dropped before iteration never runs."""
         req = self._submit(ids, params)
-        return self._iter(req)
+        for tok, delta in self._events(req):
+            if with_tokens and tok is not None:
+                yield tok, delta
+            elif not with_tokens and delta:
+                yield delta
 
     def chat(self, messages: list[dict], **kwargs) -> Response:
         """Apply the model's chat template (with the generation prompt) and generate one response."""
@@ -206,19 +225,19 @@ class Pipeline:
             self._cv.notify()
 
     def _collect(self, req: _Request) -> Response:
-        for _ in self._iter(req):
+        for _ in self._events(req):
             pass
         return req.response()
 
-    def _iter(self, req: _Request) -> Iterator[str]:
+    def _events(self, req: _Request) -> Iterator[tuple[int | None, str]]:
+        """``(token_id, text_delta)`` per engine event until the request finishes; aborts on early exit."""
         try:
             while req.finish_reason is None:
                 ev = req.events.get()
                 if isinstance(ev, BaseException):
                     raise ev
                 delta = self._apply(req, ev)
-                if delta:
-                    yield delta
+                yield (ev.token.token_id if ev.token is not None else None), delta
         finally:
             if req.finish_reason is None:  # the consumer stopped early
                 req.finish_reason = FinishReason.ABORT.value

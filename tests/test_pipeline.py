@@ -416,3 +416,12 @@ def test_close_aborts_pending_requests(tiny):
     assert not t.is_alive()
     (r,) = box["r"]
     assert r.finish_reason == "abort" and r.generated_tokens < 80
+
+
+def test_stream_tokens_yields_every_token_and_the_same_text(pipe):
+    full = pipe("Name three colors.", max_new_tokens=12, temperature=0.0, ignore_eos=True)[0]
+    pairs = list(
+        pipe.stream_tokens("Name three colors.", max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    )
+    assert [t for t, _ in pairs] == full.token_ids
+    assert "".join(d for _, d in pairs) == full.text
