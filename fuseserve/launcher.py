@@ -33,7 +33,8 @@ class Stack:
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "fuseserve.cli", *argv]
-        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+        # own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
         self.procs.append((name, proc))
         return proc
 

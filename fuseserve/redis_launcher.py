@@ -137,6 +137,7 @@ def start_redis_server(
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=workdir,
+                start_new_session=True,  # a terminal's Ctrl-C reaches our owner, who stops us last
             )  # fmt: skip
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline and process.poll() is None:
