@@ -113,7 +113,7 @@ def throughput(num_requests: int, new_tokens: int, clients: int) -> None:
     import openai
 
     import fuseserve
-    from fuseserve.launcher import start_stack
+    from fuseserve.launcher import serve_args, start_stack
     from fuseserve.redis_launcher import free_port
 
     prompts = [f"Write a short note about the number {i}." for i in range(num_requests)]
@@ -128,21 +128,7 @@ def throughput(num_requests: int, new_tokens: int, clients: int) -> None:
     tokens = sum(o.generated_tokens + o.prompt_tokens for o in outs)
     pipe.close()
 
-    args = argparse.Namespace(
-        model="smollm2-135m-instruct",
-        workers=1,
-        host="127.0.0.1",
-        port=free_port(),
-        token_budget=256,
-        max_num_seqs=256,
-        kv_cache_memory="512MiB",
-        block_size=16,
-        policy="splitfuse",
-        device="cpu",
-        dtype=None,
-        threads=None,
-        log_level="WARNING",
-    )
+    args = serve_args(workers=1, port=free_port(), token_budget=256, kv_cache_memory="512MiB", device="cpu")
     stack, base = start_stack(args)
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=600)

@@ -57,6 +57,21 @@ class Stack:
             self.redis.stop()
 
 
+def serve_args(**overrides) -> argparse.Namespace:
+    """The ``fuseserve serve`` options with their CLI defaults, overridden by keyword (tests, benchmarks).
+
+    Raises ``TypeError`` for a name that is not a ``serve`` option.
+    """
+    from fuseserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    for name, value in overrides.items():
+        if not hasattr(args, name):
+            raise TypeError(f"unknown serve option {name!r}")
+        setattr(args, name, value)
+    return args
+
+
 def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy."""
     resolve_model(args.model)  # convert a GGUF once here, before the children race for it

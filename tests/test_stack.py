@@ -6,7 +6,6 @@ official ``openai`` client and raw HTTP.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import time
@@ -25,22 +24,16 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    from fuseserve.launcher import start_stack
+    from fuseserve.launcher import serve_args, start_stack
 
-    args = argparse.Namespace(
+    args = serve_args(
         model=MODEL,
         workers=2,
-        host="127.0.0.1",
         port=free_port(),
         token_budget=64,
-        max_num_seqs=256,
         kv_cache_memory="128MiB",
-        block_size=16,
-        policy="splitfuse",
         device="cpu",
-        dtype=None,
         threads=1,
-        log_level="WARNING",
     )
     proc_stack, base = start_stack(args)
     yield proc_stack, base

@@ -7,7 +7,6 @@ Greedy outputs are identical to an undisturbed run.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import signal
 import time
@@ -23,22 +22,16 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    from fuseserve.launcher import start_stack
+    from fuseserve.launcher import serve_args, start_stack
 
-    args = argparse.Namespace(
+    args = serve_args(
         model=MODEL,
         workers=2,
-        host="127.0.0.1",
         port=free_port(),
         token_budget=32,
-        max_num_seqs=256,
         kv_cache_memory="64MiB",
-        block_size=16,
-        policy="splitfuse",
         device="cpu",
-        dtype=None,
         threads=1,
-        log_level="WARNING",
     )
     s, base = start_stack(args)
     yield s, base

@@ -76,7 +76,7 @@ class _Owner:
 
 class SchedulerMetrics:
     def __init__(self, port: int | None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
         self.registry = CollectorRegistry()
         self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
@@ -84,15 +84,6 @@ class SchedulerMetrics:
         self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
         self.preemptions = Counter(
             "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
-        )
-        self.step_tokens = Histogram(
-            "fuseserve_step_tokens",
-            "tokens per pass (all workers)",
-            registry=self.registry,
-            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-        )
-        self.step_seconds = Histogram(
-            "fuseserve_step_seconds", "seconds per scheduler step (plan → tokens)", registry=self.registry
         )
         if port:
             start_http_server(port, registry=self.registry)
@@ -294,10 +285,8 @@ class SchedulerService:
             self._publish_events(events)
             elapsed = time.perf_counter() - t0
             plans = self.loop.last_plans
-            if plans:
-                self.metrics.step_tokens.observe(sum(p.num_tokens for p in plans.values()))
-                self.metrics.step_seconds.observe(elapsed)
-                forward = max((r for r in self.loop.last_forward_seconds.values()), default=0.0)
+            if plans:  # tokens and seconds per pass are the workers' metrics; this is the path's cost
+                forward = max(self.loop.last_forward_seconds.values(), default=0.0)
                 self.step_overheads.append(elapsed - forward)
                 del self.step_overheads[:-10000]
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
