@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from fuseserve.sampling_params import SamplingParams
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str):  # lazy: importing fuseserve must not import torch
     if name in ("pipeline", "Pipeline"):
         from fuseserve import engine as module

@@ -83,11 +83,12 @@ def error_from_answer(
 
 
 class Client:
-    """Talks to a gateway over HTTP. ``url``: its base URL; ``timeout``: seconds per request;
-    ``model``: the served name to ask for (default: the first of ``/v1/models``)."""
+    """Talks to a gateway over HTTP. ``url``: its base URL, with or without the OpenAI-style ``/v1``;
+    ``timeout``: seconds per request; ``model``: the served name to ask for (default: the first of
+    ``/v1/models``)."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, model: str | None = None):
-        self.url = url.rstrip("/")
+        self.url = url.rstrip("/").removesuffix("/v1")
         self._http = httpx.Client(base_url=self.url, timeout=timeout)
         self._model = model
 

@@ -7,10 +7,12 @@ threads may call the pipeline at once; their requests share forward passes.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -103,6 +105,7 @@ class Pipeline:
         self._closed = False
         self._thread = threading.Thread(target=self._engine, name="fuseserve-engine", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     @property
     def name(self) -> str:
@@ -170,7 +173,10 @@ class Pipeline:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def close(self) -> None:
-        """Stop the engine thread (pending requests finish with ``abort``)."""
+        """Stop the engine thread (pending requests finish with ``abort``). Idempotent; also runs at exit."""
+        _LIVE.discard(self)
+        if not self._thread.is_alive():
+            return
         with self._cv:
             self._closed = True
             self._cv.notify()
@@ -308,6 +314,17 @@ class Pipeline:
             self.scheduler.abort(sid)
             req.events.put(TokenEvent(sid, None, FinishReason.ABORT) if finish else error)
         self._requests.clear()
+
+
+_LIVE: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pipelines() -> None:
+    """Stop engine threads before the interpreter tears torch down (a thread killed inside a torch op
+    aborts the process)."""
+    for pipe in list(_LIVE):
+        pipe.close()
 
 
 def pipeline(
