@@ -11,6 +11,13 @@ Keys and streams (all JSON in a single ``data`` field):
 - ``worker_key(worker_id)``: a worker's ``WorkerRecord``, written with a TTL and refreshed by its
   heartbeat; a worker whose key expires is dead.
 - ``SEQ_COUNTER``: INCR gives engine-wide unique sequence ids.
+- ``SCHEDULER_HEARTBEAT``: set by the scheduler every ``HEARTBEAT_S`` with a TTL of
+  ``SCHEDULER_TTL_S``, from a thread of its own (a long step does not delay it). No key means no
+  live scheduler: the gateway answers 503 to new requests, and fails requests in flight with a 503
+  error once the key has been missing for ``SCHEDULER_GRACE_S`` (a restarted scheduler re-claims
+  unfinished requests within that time).
+- A sequence that waits with no live worker for ``NO_WORKER_GRACE_S`` is failed by the scheduler
+  with a 503 error event.
 - ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t, "workers": {id:
   {"admitted", "running", "free_blocks", "num_blocks"}}}``, written each second (the gateway
   answers 429 when too many requests wait).
@@ -27,6 +34,10 @@ SCHEDULER_GROUP = "schedulers"
 CONTROL = f"{PREFIX}:control"
 SEQ_COUNTER = f"{PREFIX}:seq_counter"
 SCHEDULER_STATS = f"{PREFIX}:scheduler:stats"
+SCHEDULER_HEARTBEAT = f"{PREFIX}:scheduler:heartbeat"
+SCHEDULER_TTL_S = 5  # seconds the heartbeat key lives without a refresh
+SCHEDULER_GRACE_S = 30.0  # seconds without a scheduler before in-flight requests fail
+NO_WORKER_GRACE_S = 30.0  # seconds a sequence may wait with no live worker before it fails
 WORKER_PREFIX = f"{PREFIX}:worker:"
 WORKER_TTL_S = 6  # seconds a worker record lives without a heartbeat
 HEARTBEAT_S = 2  # seconds between heartbeats
