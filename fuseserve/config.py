@@ -13,7 +13,18 @@ import torch
 
 from fuseserve.errors import InvalidParameterError
 
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -36,6 +47,29 @@ def parse_memory(value: int | float | str) -> int:
 def default_device() -> torch.device:
     """CUDA when a GPU is visible, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """``None`` → ``default_device()``; else the named device, checked to exist here.
+
+    Raises ``InvalidParameterError("device", ...)`` for an unknown name or a GPU that is not visible.
+    """
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidParameterError("device", name, "cpu, cuda or cuda:N") from e
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise InvalidParameterError("device", name, "cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise InvalidParameterError("device", name, "cpu (no CUDA GPU is visible here)")
+    if device.index is not None and device.index >= count:
+        raise InvalidParameterError("device", name, f"cuda:0 .. cuda:{count - 1}")
+    return device
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

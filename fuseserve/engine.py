@@ -118,10 +118,7 @@ class Pipeline:
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` (unknown keyword, bad value, empty
         prompt without BOS) and ``ContextLengthExceededError`` before anything runs.
         """
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        )
-        batch = [prompts] if single else list(prompts)
+        batch = _as_batch(prompts)
         params = SamplingParams.from_kwargs(**kwargs).validate()
         ids = [self._encode(p) for p in batch]
         for p in ids:
@@ -166,6 +163,13 @@ class Pipeline:
             raise InvalidRequestError(
                 "this model has no chat template; send a plain prompt", param="messages"
             )
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequestError(
+                "messages must be a list of {'role': ..., 'content': ...} dicts", "messages"
+            )
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                _check_text(m["content"], "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja errors on malformed messages
@@ -192,6 +196,7 @@ class Pipeline:
     # ----- request side (caller threads) -----
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
@@ -250,6 +255,9 @@ class Pipeline:
                 self._command("abort", req.seq_id)
 
     def _apply(self, req: _Request, ev: TokenEvent) -> str:
+        if ev.error is not None:
+            req.finish_reason = FinishReason.ABORT.value
+            raise FuseServeError(f"generation failed: {ev.error}")
         delta = ""
         if ev.token is not None:
             req.token_ids.append(ev.token.token_id)
@@ -314,6 +322,35 @@ class Pipeline:
             self.scheduler.abort(sid)
             req.events.put(TokenEvent(sid, None, FinishReason.ABORT) if finish else error)
         self._requests.clear()
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _as_batch(prompts) -> list[Prompt]:
+    """``prompts`` as a list of prompts: a str, a list of token ids, or a list of those.
+
+    Raises ``InvalidRequestError`` for anything else (None, numbers, dicts, nested lists).
+    """
+    if isinstance(prompts, str) or _is_ids(prompts):  # [] is an empty prompt: BOS
+        return [prompts]
+    if isinstance(prompts, list | tuple) and all(isinstance(p, str) or _is_ids(p) for p in prompts):
+        return list(prompts)
+    raise InvalidRequestError(
+        f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}",
+        param="prompt",
+    )
+
+
+def _check_text(text: str, param: str) -> None:
+    """Raise ``InvalidRequestError`` for text that is not valid Unicode (lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: {e.reason} at position {e.start}", param
+        ) from e
 
 
 _LIVE: weakref.WeakSet[Pipeline] = weakref.WeakSet()

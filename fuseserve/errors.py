@@ -100,6 +100,10 @@ class QueueFullError(FuseServeError):
         self.retry_after = retry_after
 
 
+class WorkerLostError(FuseServeError):
+    """A worker cannot be reached (process gone, network down); its sequences recompute elsewhere."""
+
+
 class NoWorkerError(FuseServeError):
     """No live worker can take the request."""
 

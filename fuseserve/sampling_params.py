@@ -20,11 +20,29 @@ MAX_STOP_STRINGS = 16
 """Largest number of stop strings per request."""
 
 MAX_TEMPERATURE = 100.0
+
+#: Temperatures below this decode greedily (vLLM's ``_SAMPLING_EPS``).
+GREEDY_TEMPERATURE = 1e-5
+
+#: Token ids cross the wire as uint32; any real vocabulary is far smaller.
+MAX_TOKEN_ID = 2**31
+
+#: Repetition penalty range: outside it the scaled logits overflow fp32.
+MIN_PENALTY = 0.01
+MAX_PENALTY = 100.0
 """Upper bound accepted for temperature (OpenAI documents 0..2; larger values are harmless)."""
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
 
 
 def _is_number(value: object) -> bool:
@@ -73,8 +91,9 @@ class SamplingParams:
     # ------------------------------------------------------------------ derived properties
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax: top_k 1, or a temperature below ``GREEDY_TEMPERATURE``
+        (as in vLLM: a smaller one would overflow the scaled logits)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -106,24 +125,33 @@ class SamplingParams:
             raise InvalidParameterError("top_p", self.top_p, "a number in (0, 1]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidParameterError("min_p", self.min_p, "a number in [0, 1]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidParameterError("repetition_penalty", self.repetition_penalty, "a number > 0")
+        if (
+            not _is_number(self.repetition_penalty)
+            or not MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY
+        ):
+            raise InvalidParameterError(
+                "repetition_penalty", self.repetition_penalty, f"a number in [{MIN_PENALTY}, {MAX_PENALTY:g}]"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise InvalidParameterError(name, value, "a number in [-2, 2]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidParameterError("seed", self.seed, "an integer or null")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            raise InvalidParameterError("seed", self.seed, "null or a signed 64-bit integer")
         if (
             not isinstance(self.stop, (list, tuple))
             or len(self.stop) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and s for s in self.stop)
+            or not all(isinstance(s, str) and s and _is_utf8(s) for s in self.stop)
         ):
-            raise InvalidParameterError("stop", self.stop, f"at most {MAX_STOP_STRINGS} non-empty strings")
+            raise InvalidParameterError(
+                "stop", self.stop, f"at most {MAX_STOP_STRINGS} non-empty strings of valid Unicode"
+            )
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+            _is_int(t) and 0 <= t < MAX_TOKEN_ID for t in self.stop_token_ids
         ):
-            raise InvalidParameterError("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+            raise InvalidParameterError(
+                "stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {MAX_TOKEN_ID})"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameterError("ignore_eos", self.ignore_eos, "true or false")
         if self.logprobs is not None and (

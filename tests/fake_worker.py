@@ -17,6 +17,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
+from fuseserve.errors import WorkerLostError
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SampledToken, StepPlan, StepResult
 
@@ -71,6 +72,7 @@ class FakeWorker:
         self.vocab_size = vocab_size
         self.eos_every = eos_every
         self.fail_at_step = fail_at_step
+        self.fail_with: type[Exception] | None = None  # None: WorkerLostError (a lost worker)
         self.name = name
         self.seqs: dict[int, FakeSeq] = {}
         self.history: dict[int, list[int]] = {} if history is None else history
@@ -93,7 +95,7 @@ class FakeWorker:
     def step(self, plan: StepPlan) -> StepResult:
         if self.fail_at_step is not None and self.num_steps == self.fail_at_step:
             self.num_steps += 1
-            raise ConnectionError(f"{self.name}: worker lost")
+            raise (self.fail_with or WorkerLostError)(f"{self.name}: worker lost")
         self.num_steps += 1
         self.plans.append(plan)
         try:

@@ -14,7 +14,12 @@ import time
 
 import pytest
 
-from fuseserve.errors import ContextLengthExceededError, InvalidParameterError, InvalidRequestError
+from fuseserve.errors import (
+    ContextLengthExceededError,
+    FuseServeError,
+    InvalidParameterError,
+    InvalidRequestError,
+)
 
 TIMEOUT = 120  # seconds; a request that takes longer counts as hung
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=1234, max_new_tokens=16)
@@ -425,3 +430,58 @@ def test_stream_tokens_yields_every_token_and_the_same_text(pipe):
     )
     assert [t for t, _ in pairs] == full.token_ids
     assert "".join(d for _, d in pairs) == full.text
+
+
+@pytest.mark.parametrize("bad", [None, 5, {"a": 1}, [[1, [2]]], ["ok", 3], "a\ud800b"])
+def test_malformed_prompts_raise_typed_errors(pipe, bad):
+    with pytest.raises(InvalidRequestError):
+        pipe(bad, max_new_tokens=2)
+
+
+def test_lone_surrogate_in_chat_raises(pipe):
+    with pytest.raises(InvalidRequestError) as e:
+        pipe.chat([{"role": "user", "content": "a\udfffb"}], max_new_tokens=2)
+    assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"seed": 2**64},
+        {"seed": -(2**63) - 1},
+        {"stop_token_ids": [2**63]},
+        {"stop": ["\ud800"]},
+        {"repetition_penalty": 1e-300},
+    ],
+)
+def test_values_that_cannot_cross_the_wire_are_rejected_and_the_pipeline_lives(pipe, kw):
+    with pytest.raises(InvalidParameterError):
+        pipe("Hi", max_new_tokens=2, **kw)
+    assert pipe("Hi", max_new_tokens=2, temperature=0)[0].generated_tokens >= 1
+
+
+def test_tiny_temperature_is_greedy(pipe):
+    tiny = pipe("The sky is", max_new_tokens=4, temperature=1e-300)[0]
+    greedy = pipe("The sky is", max_new_tokens=4, temperature=0)[0]
+    assert tiny.token_ids == greedy.token_ids
+
+
+def test_a_failed_step_fails_only_its_requests(pipe):
+    """An engine error inside a step surfaces as a FuseServeError to that request; the pipeline lives."""
+    real_step = pipe.runner.step
+    calls = {"n": 0}
+
+    def broken_once(plan):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected failure")
+        return real_step(plan)
+
+    pipe.loop.workers["local"] = type("BrokenOnce", (), {"step": staticmethod(broken_once)})()
+    try:
+        with pytest.raises(FuseServeError, match="injected failure"):
+            pipe("Hello there", max_new_tokens=4, temperature=0)
+    finally:
+        pipe.loop.workers["local"] = pipe.runner
+    assert pipe("Hello there", max_new_tokens=4, temperature=0)[0].generated_tokens == 4
+    assert pipe.runner.num_free_blocks == pipe.runner.info.num_blocks

@@ -34,6 +34,7 @@ class Engine:
     seqs: dict[int, Sequence] = field(default_factory=dict)  # every sequence ever added
     outputs: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     finish: dict[int, FinishReason] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)  # sequences failed with an error event
 
     def add(self, seq: Sequence) -> None:
         self.sched.add(seq)
@@ -50,7 +51,10 @@ class Engine:
             assert not fake.errors, fake.errors
         for ev in events:
             assert ev.seq_id not in self.finish, f"token for finished seq {ev.seq_id}"
-            self.outputs[ev.seq_id].append(ev.token.token_id)
+            if ev.error is not None:
+                self.errors[ev.seq_id] = ev.error
+            else:
+                self.outputs[ev.seq_id].append(ev.token.token_id)
             if ev.finish_reason is not None:
                 self.finish[ev.seq_id] = ev.finish_reason
         return self.loop.last_plans, before
@@ -542,3 +546,27 @@ def test_removed_worker_sequences_finish_elsewhere(how):
     for i, (p, n) in enumerate(reqs):
         assert eng.outputs[i] == solo_output(p, greedy(n), eos_every=37), i
     check_free(eng)
+
+
+def test_failed_plan_fails_only_its_sequences_and_the_worker_stays():
+    """A step that raises something other than WorkerLostError (a plan the worker rejected) finishes
+    exactly that plan's sequences with an error; the worker keeps serving the others."""
+    reqs = workload(12, seed=31, prompt_range=(10, 40), new_range=(5, 20))
+    eng = make_engine(budget=32, workers={"w0": 1000, "w1": 1000}, eos_every=0, fail_at={"w1": 3})
+    eng.fakes["w1"].fail_with = ValueError
+    for i, (p, n) in enumerate(reqs):
+        eng.add(Sequence(i, p, greedy(n)))
+    failed_plan = None
+    for _ in range(4):
+        plans, _ = eng.step()
+        if "w1" in plans and eng.fakes["w1"].num_steps == 4:
+            failed_plan = {c.seq_id for c in plans["w1"].chunks}
+    assert failed_plan and set(eng.errors) == failed_plan
+    assert all("ValueError" in e for e in eng.errors.values())
+    assert "w1" in eng.loop.workers and "w1" in eng.sched.slots
+    eng.run()
+    assert set(eng.finish) == set(range(len(reqs)))
+    assert all(len(eng.outputs[i]) == reqs[i][1] for i in range(len(reqs)) if i not in failed_plan)
+    for name, fake in eng.fakes.items():
+        assert fake.num_free_blocks == fake.num_blocks, name
+        assert eng.sched.slots[name].account.num_free == eng.sched.slots[name].account.num_blocks

@@ -1,7 +1,8 @@
 """One engine step over any transport: schedule → workers run their plans → postprocess.
 
 The pipeline plugs in-process model runners in; the scheduler service plugs gRPC clients in
-(STYLE 5). A worker whose step raises is removed and its sequences recompute elsewhere.
+(STYLE 5). A worker whose step raises ``WorkerLostError`` is removed and its sequences recompute
+elsewhere; any other failure of a step fails only the sequences of that plan.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from fuseserve.errors import WorkerLostError
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.types import StepPlan, StepResult
 
@@ -55,10 +57,14 @@ class EngineLoop:
             results = {name: f.result() for name, f in futures.items()}
         events: list[TokenEvent] = []
         for name, result in results.items():
-            if isinstance(result, Exception):
-                log.error("worker %s failed (%s); resuming its sequences elsewhere", name, result)
+            if isinstance(result, WorkerLostError):
+                log.error("worker %s lost (%s); resuming its sequences elsewhere", name, result)
                 self.scheduler.remove_worker(name)
                 self.workers.pop(name, None)
+                continue
+            if isinstance(result, Exception):  # the plan failed, the worker lives: fail those sequences
+                log.error("step on worker %s failed: %s: %s", name, type(result).__name__, result)
+                events.extend(self.scheduler.fail_plan(name, f"{type(result).__name__}: {result}"))
                 continue
             self.last_forward_seconds[name] = result.forward_seconds
             events.extend(self.scheduler.postprocess(name, result))

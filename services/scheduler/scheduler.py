@@ -36,12 +36,16 @@ class TokenEvent:
     """A token produced for a sequence; ``finish_reason`` set on its last event.
 
     hidden: the token ended the sequence as EOS / a stop token id and is not part of the text.
+    error: why the sequence failed (with ``finish_reason`` ABORT), e.g. the worker rejected its step;
+    error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
     """
 
     seq_id: int
     token: SampledToken | None
     finish_reason: FinishReason | None = None
     hidden: bool = False
+    error: str | None = None
+    error_status: int = 500
 
 
 @dataclass
@@ -253,6 +257,34 @@ class Scheduler:
     def least_loaded(self, candidates: list[WorkerSlot]) -> WorkerSlot:
         """Placement: the worker with the most free blocks, then the fewest running sequences."""
         return max(candidates, key=lambda s: (s.account.num_free / s.account.num_blocks, -len(s.running)))
+
+    def fail_plan(self, worker: str, message: str) -> list[TokenEvent]:
+        """The plan in flight on ``worker`` failed (not a lost worker): finish its sequences with an error.
+
+        Their blocks are released here and freed on the worker with its next plan, so a bad request
+        cannot wedge the worker or the engine.
+        """
+        slot = self.slots.get(worker)
+        if slot is None:
+            return []
+        events = []
+        for seq, _ in slot.entries:
+            if seq.status is SeqStatus.RUNNING and seq.worker == worker:
+                self._finish(seq, FinishReason.ABORT)
+                events.append(TokenEvent(seq.seq_id, None, FinishReason.ABORT, error=message))
+        slot.entries = []
+        return events
+
+    def fail_waiting(self, message: str, status: int) -> list[TokenEvent]:
+        """Finish every queued sequence with an error (e.g. no worker has been alive for a while)."""
+        events = []
+        while self.waiting:
+            seq = self.waiting.popleft()
+            self._finish(seq, FinishReason.ABORT)
+            events.append(
+                TokenEvent(seq.seq_id, None, FinishReason.ABORT, error=message, error_status=status)
+            )
+        return events
 
     # ----- postprocess -----
     def postprocess(self, worker: str, result: StepResult) -> list[TokenEvent]:

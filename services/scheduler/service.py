@@ -23,7 +23,7 @@ import redis
 
 from fuseserve import messages
 from fuseserve.config import EngineConfig
-from fuseserve.errors import FuseServeError
+from fuseserve.errors import FuseServeError, WorkerLostError
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
@@ -36,7 +36,9 @@ from fuseserve.types import StepPlan, StepResult
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT_S = 300.0  # a pass on a slow CPU can take seconds; a hung worker is cut off after this
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 DISCOVERY_INTERVAL_S = 0.5
+CONTROL_TRIM_INTERVAL_S = 10.0
 STATS_INTERVAL_S = 1.0
 IDLE_BLOCK_MS = 20
 
@@ -56,7 +58,15 @@ class GrpcWorker:
         self.stub = pb_grpc.WorkerStub(self.channel)
 
     def step(self, plan: StepPlan) -> StepResult:
-        msg = self.stub.Step(convert.step_plan_to_proto(plan), timeout=STEP_TIMEOUT_S)
+        """Run a plan remotely. Raises ``WorkerLostError`` when the worker cannot be reached; any other
+        error (a plan the worker rejected, a value that cannot be encoded) fails only this plan."""
+        request = convert.step_plan_to_proto(plan)
+        try:
+            msg = self.stub.Step(request, timeout=STEP_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() in LOST_CODES:
+                raise WorkerLostError(f"{self.record.address}: {e.code().name}") from e
+            raise RuntimeError(f"worker {self.record.worker_id}: {e.code().name}: {e.details()}") from e
         return convert.step_result_from_proto(msg)
 
     def reset(self) -> None:
@@ -89,6 +99,10 @@ class SchedulerMetrics:
             start_http_server(port, registry=self.registry)
 
 
+def _error_type(status: int) -> str:
+    return "service_unavailable" if status == 503 else "server_error"
+
+
 class SchedulerService:
     """Owns the ``Scheduler``; single-threaded loop over Redis and gRPC."""
 
@@ -108,6 +122,8 @@ class SchedulerService:
         self.metrics = SchedulerMetrics(metrics_port)
         self._last_discovery = 0.0
         self._last_stats = 0.0
+        self._last_trim = 0.0
+        self._no_worker_since: float | None = None
         self._control_id = "0-0"
         self.step_overheads: list[float] = []  # seconds per step not spent in worker forward passes
 
@@ -118,8 +134,6 @@ class SchedulerService:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-        last = self.r.xrevrange(messages.CONTROL, count=1)
-        self._control_id = last[0][0] if last else "0-0"
         # re-claim what a previous scheduler left unfinished (its pending entries)
         start = "0-0"
         while True:
@@ -134,6 +148,10 @@ class SchedulerService:
             self._add_requests(entries)
             if start == "0-0" or not entries:
                 break
+        # aborts sent while no scheduler ran apply to the re-claimed requests (processed entries are
+        # trimmed as we go, so this reads only what nobody handled)
+        self._control_id = "0-0"
+        self._read_control()
 
     # ----- workers -----
     def discover(self) -> None:
@@ -209,6 +227,10 @@ class SchedulerService:
         for _, entries in resp or []:
             self._add_requests(entries)
 
+    def _trim_control(self) -> None:
+        if self._control_id != "0-0":
+            self.r.xtrim(messages.CONTROL, minid=self._control_id, approximate=True)
+
     def _read_control(self) -> None:
         resp = self.r.xread({messages.CONTROL: self._control_id}, count=1000)
         for _, entries in resp or []:
@@ -238,6 +260,13 @@ class SchedulerService:
                     top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok else [],
                     hidden=ev.hidden,
                     finish_reason=ev.finish_reason.value if ev.finish_reason else None,
+                    error=None
+                    if ev.error is None
+                    else {
+                        "message": ev.error,
+                        "type": _error_type(ev.error_status),
+                        "status": ev.error_status,
+                    },
                 )
             )
             if ev.finish_reason is not None:
@@ -290,6 +319,10 @@ class SchedulerService:
                 self.step_overheads.append(elapsed - forward)
                 del self.step_overheads[:-10000]
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        self._fail_if_no_worker(now)
+        if now - self._last_trim >= CONTROL_TRIM_INTERVAL_S:
+            self._trim_control()
+            self._last_trim = now
         if now - self._last_stats >= STATS_INTERVAL_S:
             waiting, running = len(self.scheduler.waiting), self.scheduler.num_running
             workers = {
@@ -307,14 +340,48 @@ class SchedulerService:
             self.metrics.running.set(running)
             self._last_stats = now
 
-    def run(self, stop: threading.Event) -> None:
-        self._setup_streams()
+    def _fail_if_no_worker(self, now: float) -> None:
+        """Requests waiting while no worker has been alive for ``NO_WORKER_GRACE_S`` fail with a 503."""
+        if self.loop.workers or not self.scheduler.waiting:
+            self._no_worker_since = None
+            return
+        if self._no_worker_since is None:
+            self._no_worker_since = now
+        elif now - self._no_worker_since >= messages.NO_WORKER_GRACE_S:
+            log.error(
+                "no worker for %.0f s: failing %d waiting requests",
+                now - self._no_worker_since,
+                len(self.scheduler.waiting),
+            )
+            self._publish_events(self.scheduler.fail_waiting("no worker is available", 503))
+
+    def heartbeat(self, stop: threading.Event) -> None:
+        """Keep ``SCHEDULER_HEARTBEAT`` alive from a thread of its own (a long step must not stop it)."""
         while not stop.is_set():
             try:
+                self.r.set(messages.SCHEDULER_HEARTBEAT, self.consumer, ex=messages.SCHEDULER_TTL_S)
+            except redis.RedisError as e:
+                log.warning("scheduler heartbeat failed: %s", e)
+            stop.wait(messages.HEARTBEAT_S)
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""
+        threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True).start()
+        ready = False
+        while not stop.is_set():
+            try:
+                if not ready:
+                    self._setup_streams()
+                    ready = True
                 self.run_once()
             except redis.ConnectionError as e:
                 log.error("redis unavailable (%s); retrying", e)
                 stop.wait(1.0)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                log.error("redis lost the request stream (restarted empty?); recreating it")
+                ready = False
 
 
 def run_scheduler(args: argparse.Namespace) -> int:

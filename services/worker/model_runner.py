@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuseserve.config import EngineConfig, default_device, parse_dtype, parse_memory
+from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import KVCacheTooSmallError, SchedulerError
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
@@ -78,7 +78,7 @@ class ModelRunner:
         progress: bool = True,
     ):
         self.config = config or EngineConfig()
-        self.device = torch.device(self.config.device) if self.config.device else default_device()
+        self.device = resolve_device(self.config.device)
         self.dtype = parse_dtype(self.config.dtype, self.device)
         self.hf_config = hf_config
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)

@@ -13,7 +13,7 @@ Processing order (each step vectorised over the batch; fp32 throughout):
    output tokens: a positive logit is divided by the penalty, a negative one multiplied.
 3. **Presence / frequency penalties** (OpenAI semantics) over output tokens only:
    ``logit -= presence * (count > 0) + frequency * count``.
-4. **Greedy rows** (temperature 0 or top_k 1) take the argmax here.
+4. **Greedy rows** (temperature below 1e-5, or top_k 1) take the argmax here.
 5. **Temperature**: ``logit / temperature``.
 6. **top_k**: keep tokens whose logit is >= the k-th largest (ties kept, as ``transformers``).
 7. **top_p**: sort ascending once, drop tokens whose ascending cumulative probability is
@@ -193,7 +193,7 @@ def apply_warpers(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch
     vocab = logits.shape[1]
     params = [st.params for st in states]
 
-    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    temps = [1.0 if p.greedy else p.temperature for p in params]
     if any(t != 1.0 for t in temps):
         logits = logits / _row_tensor(temps, device)
 
