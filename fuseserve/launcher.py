@@ -22,6 +22,8 @@ from fuseserve.model_source import resolve_model
 from fuseserve.redis_launcher import launch_redis
 
 READY_TIMEOUT_S = 600.0
+MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before the stack gives up
+RESTART_WINDOW_S = 120.0
 
 
 class Stack:
@@ -29,19 +31,44 @@ class Stack:
 
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.argv: dict[str, list[str]] = {}
+        self.restarts: dict[str, list[float]] = {}
         self.redis = None
 
-    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "fuseserve.cli", *argv]
         # own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order
-        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
+        proc = subprocess.Popen(cmd, start_new_session=True)
         self.procs.append((name, proc))
+        self.argv[name] = argv
         return proc
 
     def check_alive(self) -> None:
+        """Raise ``FuseServeError`` if Redis or any child has exited (used while starting up)."""
+        if self.redis is not None and self.redis.process is not None and self.redis.process.poll() is not None:
+            raise FuseServeError("redis-server exited (see its log above)")
         for name, p in self.procs:
             if p.poll() is not None:
                 raise FuseServeError(f"{name} exited with status {p.returncode} (see its log above)")
+
+    def supervise(self) -> None:
+        """Restart children that exited (a crashed worker comes back and re-registers; its sequences
+        were already resumed elsewhere). Raises ``FuseServeError`` when Redis is gone or a child
+        crashes ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S``."""
+        if self.redis is not None and self.redis.process is not None and self.redis.process.poll() is not None:
+            raise FuseServeError("redis-server exited; stopping the stack")
+        for i, (name, p) in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            now = time.monotonic()
+            recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S] + [now]
+            if len(recent) > MAX_RESTARTS:
+                raise FuseServeError(f"{name} keeps exiting (status {p.returncode}); stopping the stack")
+            self.restarts[name] = recent
+            print(f"fuseserve: {name} exited with status {p.returncode}; restarting it", file=sys.stderr, flush=True)
+            self.procs.pop(i)
+            self.spawn(name, self.argv[name])
+            return  # the list changed; the next call looks at the rest
 
     def stop(self) -> None:
         for _, p in reversed(self.procs):
@@ -172,8 +199,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         while not stop["now"]:
-            stack.check_alive()
+            stack.supervise()
             time.sleep(0.5)
     finally:
         stack.stop()
+        print("fuseserve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -163,7 +163,7 @@ class SchedulerService:
                 rec = messages.WorkerRecord.decode(raw)
                 records[rec.worker_id] = rec
         for wid in list(self.loop.workers):
-            if wid not in records:
+            if wid not in records or records[wid].address != self.loop.workers[wid].record.address:
                 log.warning("worker %s is gone; resuming its sequences elsewhere", wid)
                 self.scheduler.remove_worker(wid)
                 self.loop.workers.pop(wid).close()
