@@ -4,8 +4,9 @@
   prompts, filling the token budget exactly; long prompts are split over passes.
 - ``prefill_first`` (vLLM v0, TGI before chunking): a pass of whole new prompts whenever one can be
   admitted, otherwise a pass of decodes; prompts and decodes never share a pass.
-- ``whole_prompt`` (Orca): decodes fused with whole new prompts; a prompt is never split, so a pass
-  may exceed the budget only when it holds a single prompt longer than the budget.
+- ``whole_prompt`` (Orca): decodes fused with whole new prompts; a prompt is never split. The first
+  prompt of a pass is taken even when it does not fit the budget left (otherwise running decodes
+  would starve it), so such a pass exceeds the budget by at most that one prompt.
 """
 
 from __future__ import annotations
@@ -75,7 +76,13 @@ class WholePrompt(Policy):
     def schedule(self, sched: Scheduler) -> None:
         for slot in sched.slots.values():
             schedule_decodes(sched, slot)
-        admit_new(sched, split=False, fits=lambda s, n: n <= s.budget_left or not s.entries)
+        # like Orca, a prompt is never starved by running decodes: the first prompt of a pass is
+        # taken whole even past the budget; further prompts only while they fit
+        admit_new(sched, split=False, fits=lambda s, n: n <= s.budget_left or not _has_prompt(s))
+
+
+def _has_prompt(slot: WorkerSlot) -> bool:
+    return any(seq.in_prefill for seq, _ in slot.entries)
 
 
 class PrefillFirst(Policy):
