@@ -1,7 +1,8 @@
 """Test doubles for the gateway: a fake scheduler on a real Redis, and a gateway served by uvicorn.
 
 ``FakeScheduler`` speaks the real contract (``fuseserve.messages``): it reads ``REQUESTS`` through
-the consumer group, registers a worker key, writes ``SCHEDULER_STATS``, reads ``CONTROL`` aborts,
+the consumer group, keeps the ``SCHEDULER_HEARTBEAT`` key alive (with its TTL), registers a worker
+key, writes ``SCHEDULER_STATS``, reads ``CONTROL`` aborts,
 and each "step" XADDs one event per live sequence to the owning gateway's response stream. A
 sequence's output echoes its prompt ids (cycled when ``ignore_eos``), then a hidden EOS with
 finish "stop", or finish "length" at ``max_new_tokens``.
@@ -19,9 +20,12 @@ import uvicorn
 
 from fuseserve.messages import (
     CONTROL,
+    HEARTBEAT_S,
     REQUESTS,
     SCHEDULER_GROUP,
+    SCHEDULER_HEARTBEAT,
     SCHEDULER_STATS,
+    SCHEDULER_TTL_S,
     ControlMessage,
     RequestMessage,
     TokenMessage,
@@ -43,13 +47,18 @@ class _Seq:
 
 class FakeScheduler:
     """A scheduler double in a thread. ``token_delay``: seconds per step; ``error_next``: the next
-    request gets this error event; ``duplicate``: every event is sent twice."""
+    request gets this error event; ``error_after``: ``(k, error)``, a sequence gets this error event
+    instead of its token k; ``duplicate``: every event is sent twice. ``kill()`` stops it as a crash
+    would (no heartbeat, no events); ``revive()`` restarts it with no sequence in flight."""
 
     def __init__(self, url: str):
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.token_delay = 0.0
         self.error_next: dict | None = None
+        self.error_after: tuple[int, dict] | None = None
         self.duplicate = False
+        self._dead = threading.Event()
+        self._beat_at = 0.0
         self.requests: list[RequestMessage] = []
         self.aborts: list[ControlMessage] = []
         self._live: dict[int, _Seq] = {}
@@ -59,10 +68,32 @@ class FakeScheduler:
             self.r.xgroup_create(REQUESTS, SCHEDULER_GROUP, id="0", mkstream=True)
         except redis.ResponseError:
             pass
+        self.beat()
         self.add_worker()
         self.set_waiting(0)
         self._thread = threading.Thread(target=self._run, name="fake-scheduler", daemon=True)
         self._thread.start()
+
+    def beat(self) -> None:
+        """Refresh the scheduler heartbeat key (TTL ``SCHEDULER_TTL_S``)."""
+        self.r.set(SCHEDULER_HEARTBEAT, "fake", ex=SCHEDULER_TTL_S)
+        self._beat_at = time.monotonic()
+
+    def kill(self) -> None:
+        """Stop as a crash would: no heartbeat (key deleted, as if it expired), no more events."""
+        self._dead.set()
+        time.sleep(0.1)  # let the loop finish its iteration
+        self.r.delete(SCHEDULER_HEARTBEAT)
+
+    @property
+    def dead(self) -> bool:
+        return self._dead.is_set()
+
+    def revive(self) -> None:
+        """Start again with nothing in flight (a crash loses the fake's sequences)."""
+        self._live.clear()
+        self.beat()
+        self._dead.clear()
 
     def add_worker(self) -> None:
         rec = WorkerRecord("fake", "127.0.0.1:1", "smollm2-135m-instruct", 16, 1000, 8192, 49152, [EOS], 256)
@@ -85,6 +116,11 @@ class FakeScheduler:
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._dead.is_set():
+                time.sleep(0.02)
+                continue
+            if time.monotonic() - self._beat_at >= min(HEARTBEAT_S, 0.5):
+                self.beat()
             block = None if self._live else 20
             for _s, entries in self.r.xreadgroup(SCHEDULER_GROUP, "fake", {REQUESTS: ">"}, block=block) or []:
                 for entry_id, fields in entries:
@@ -122,6 +158,9 @@ class FakeScheduler:
 
     def _next_event(self, seq: _Seq) -> TokenMessage:
         p, prompt, i = seq.msg.params, seq.msg.prompt_token_ids, len(seq.output)
+        if self.error_after is not None and i == self.error_after[0]:
+            seq.output.append(-1)
+            return TokenMessage(seq.msg.seq_id, error=self.error_after[1], finish_reason="abort")
         if i >= len(prompt) and not p["ignore_eos"]:
             token, hidden, finish = EOS, True, "stop"
         else:

@@ -1,12 +1,15 @@
-"""May a new request enter? Live workers (503 without one) and the scheduler's queue (429 when full).
+"""May a new request enter? A live scheduler and workers (503 without), the queue (429 when full).
 
-Both facts come from Redis: worker records ``fuseserve:worker:*`` (they expire without a heartbeat)
-and ``SCHEDULER_STATS`` (``{"waiting", "running", "time"}``, written each second). They are read at
-most once per ``cache_s`` seconds, so a burst of requests costs Redis one round trip.
+Every fact comes from Redis: the scheduler's heartbeat key ``SCHEDULER_HEARTBEAT`` (it expires
+``SCHEDULER_TTL_S`` seconds after the scheduler's last beat), worker records ``fuseserve:worker:*``
+(they expire without a heartbeat) and ``SCHEDULER_STATS`` (``{"waiting", "running", "time"}``,
+written each second). They are read at most once per ``cache_s`` seconds, and one read at a time:
+concurrent callers share the refresh in flight, so a burst of requests costs Redis one refresh.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from fuseserve.errors import NoWorkerError, QueueFullError
-from fuseserve.messages import SCHEDULER_STATS, WORKER_PREFIX
+from fuseserve.gateway.errors import SchedulerUnavailableError
+from fuseserve.messages import SCHEDULER_HEARTBEAT, SCHEDULER_STATS, WORKER_PREFIX
 
 STATS_MAX_AGE_S = 30.0
 """Scheduler stats older than this (seconds) are ignored: a dead scheduler must not lock us out."""
@@ -22,18 +26,23 @@ STATS_MAX_AGE_S = 30.0
 
 @dataclass
 class Snapshot:
-    """num_workers: live worker records. waiting: sequences waiting in the scheduler (None: unknown)."""
+    """What admission knows, read at ``taken_at`` (``time.monotonic()`` seconds).
 
+    scheduler_alive: the scheduler's heartbeat key exists. num_workers: live worker records.
+    waiting: sequences waiting in the scheduler (None: unknown or stale).
+    """
+
+    scheduler_alive: bool
     num_workers: int
     waiting: int | None
     taken_at: float
 
 
 class Admission:
-    """Reads workers and queue depth from Redis; ``check()`` raises when a request must be refused.
+    """Reads scheduler, workers and queue depth from Redis; ``check()`` raises to refuse a request.
 
     max_queue: refuse (429) while the scheduler has at least this many sequences waiting.
-    cache_s: seconds a snapshot is reused (0: read Redis on every check).
+    cache_s: seconds a snapshot is reused (0: a new read for every check that finds none in flight).
     """
 
     def __init__(self, redis: aioredis.Redis, max_queue: int, cache_s: float = 0.25):
@@ -41,16 +50,38 @@ class Admission:
         self.max_queue = max_queue
         self.cache_s = cache_s
         self._snapshot: Snapshot | None = None
+        self._refresh: asyncio.Future[Snapshot] | None = None  # the read in flight, shared
 
     async def snapshot(self, fresh: bool = False) -> Snapshot:
+        """The current snapshot; ``fresh``: not a cached one (a read in flight is still shared).
+
+        Raises ``redis.exceptions.RedisError`` (ConnectionError, TimeoutError) when Redis fails;
+        every caller sharing that read gets the error.
+        """
+        snap = self._snapshot
+        if not fresh and snap is not None and time.monotonic() - snap.taken_at < self.cache_s:
+            return snap
+        if self._refresh is None:
+            self._refresh = asyncio.ensure_future(self._read())
+            self._refresh.add_done_callback(self._refresh_done)
+        # shield: one cancelled caller (client gone) must not cancel the read the others wait on
+        return await asyncio.shield(self._refresh)
+
+    def _refresh_done(self, fut: asyncio.Future[Snapshot]) -> None:
+        self._refresh = None
+        if not fut.cancelled() and fut.exception() is None:
+            self._snapshot = fut.result()
+
+    async def _read(self) -> Snapshot:
         now = time.monotonic()
-        if not fresh and self._snapshot is not None and now - self._snapshot.taken_at < self.cache_s:
-            return self._snapshot
         num_workers = 0
         async for _key in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=1000):
             num_workers += 1
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(SCHEDULER_HEARTBEAT)
+            pipe.get(SCHEDULER_STATS)
+            alive, raw = await pipe.execute()
         waiting = None
-        raw = await self.redis.get(SCHEDULER_STATS)
         if raw:
             try:
                 stats = json.loads(raw)
@@ -58,12 +89,15 @@ class Admission:
                     waiting = int(stats.get("waiting", 0))
             except (ValueError, TypeError, AttributeError):
                 waiting = None
-        self._snapshot = Snapshot(num_workers, waiting, now)
-        return self._snapshot
+        return Snapshot(bool(alive), num_workers, waiting, now)
 
     async def check(self) -> Snapshot:
-        """Raise ``NoWorkerError`` (503) without a live worker, ``QueueFullError`` (429) when full."""
+        """Raise ``SchedulerUnavailableError`` (503) without a scheduler heartbeat,
+        ``NoWorkerError`` (503) without a live worker, ``QueueFullError`` (429) when the queue is full.
+        """
         snap = await self.snapshot()
+        if not snap.scheduler_alive:
+            raise SchedulerUnavailableError()
         if snap.num_workers == 0:
             raise NoWorkerError("no worker is available: no live worker record in Redis")
         if snap.waiting is not None and snap.waiting >= self.max_queue:

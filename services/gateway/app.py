@@ -3,10 +3,14 @@
     app = create_app(GatewaySettings(redis_url="redis://localhost:6379", model="smollm2-135m-instruct"))
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
-``"stream": true``), ``GET /v1/models``, ``GET /health`` (503 without a live worker),
+``"stream": true``), ``GET /v1/models``, ``GET /health`` (503 without a live scheduler or worker, or without Redis),
 ``GET /metrics`` (Prometheus). A request is validated, tokenized and checked against the context
 and the scheduler's queue *before* anything is sent; then each sequence gets a ``seq_id`` (INCR),
 is XADDed to ``REQUESTS``, and its token events come back on this gateway's response stream.
+
+Redis connections come from a blocking pool: under a burst a request waits up to
+``redis_pool_timeout_s`` for a free connection, then gets a 503 (never a 500), as it does while
+Redis is down. The response router has a small pool of its own, so it keeps reading meanwhile.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from starlette.requests import ClientDisconnect
 
 from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.errors import FuseServeError, InvalidRequestError
@@ -40,6 +47,7 @@ from fuseserve.gateway.prompts import PromptEncoder
 from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.streams import ResponseRouter
+from fuseserve.messages import SCHEDULER_GRACE_S
 from fuseserve.model_source import ModelSource, resolve_model
 
 log = logging.getLogger(__name__)
@@ -58,7 +66,10 @@ class GatewaySettings:
     max_body_bytes: larger request bodies get 413. max_model_len: context length in tokens
     (default: ``config.max_position_embeddings``). admission_cache_s: seconds the worker / queue
     snapshot is reused. disconnect_poll_s: seconds between client-disconnect checks while waiting.
-    source: an already resolved model (skips resolution; tests).
+    redis_max_connections: pooled Redis connections shared by requests. redis_pool_timeout_s:
+    seconds a request waits for a free one before its 503. scheduler_grace_s: seconds without a
+    scheduler heartbeat before requests in flight fail (503). scheduler_check_s: seconds between
+    heartbeat checks. source: an already resolved model (skips resolution; tests).
     """
 
     redis_url: str
@@ -70,6 +81,10 @@ class GatewaySettings:
     cache_dir: str | None = None
     admission_cache_s: float = 0.25
     disconnect_poll_s: float = 0.25
+    redis_max_connections: int = 64
+    redis_pool_timeout_s: float = 5.0
+    scheduler_grace_s: float = SCHEDULER_GRACE_S
+    scheduler_check_s: float = 0.5
     source: ModelSource | None = None
 
 
@@ -85,16 +100,36 @@ class Gateway:
         config = self.source.config
         self.max_model_len = settings.max_model_len or int(config.max_position_embeddings)
         vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
+        self.vocab_size = vocab_size
         self.encoder = PromptEncoder(self.tokenizer, vocab_size, self.max_model_len)
         self.gateway_id = uuid.uuid4().hex
         self.metrics = GatewayMetrics()
         self.redis: aioredis.Redis | None = None
+        self.reader: aioredis.Redis | None = None  # the router's own client
         self.router: ResponseRouter | None = None
         self.admission: Admission | None = None
 
+    def _connect(self, max_connections: int) -> aioredis.Redis:
+        """A client on a blocking pool: waits ``redis_pool_timeout_s`` for a free connection, then
+        raises ``ConnectionError``; one quick retry on a broken connection, not ten slow ones."""
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.settings.redis_url,
+            decode_responses=True,
+            max_connections=max_connections,
+            timeout=self.settings.redis_pool_timeout_s,
+            socket_connect_timeout=5.0,
+            socket_timeout=30.0,  # longer than any blocking XREAD
+            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 1),
+        )
+        return aioredis.Redis(connection_pool=pool)
+
     async def start(self) -> None:
-        self.redis = aioredis.Redis.from_url(self.settings.redis_url, decode_responses=True)
-        self.router = ResponseRouter(self.redis, self.gateway_id)
+        s = self.settings
+        self.redis = self._connect(s.redis_max_connections)
+        self.reader = self._connect(2)
+        self.router = ResponseRouter(
+            self.redis, self.gateway_id, self.reader, grace_s=s.scheduler_grace_s, check_s=s.scheduler_check_s
+        )
         self.router.start()
         self.admission = Admission(self.redis, self.settings.max_queue, self.settings.admission_cache_s)
         log.info(
@@ -104,12 +139,15 @@ class Gateway:
     async def stop(self) -> None:
         if self.router is not None:
             await self.router.stop()
-        if self.redis is not None:
-            await self.redis.aclose()
+        for client in (self.redis, self.reader):
+            if client is not None:
+                await client.aclose(close_connection_pool=True)
 
     # ------------------------------------------------------------------ request handling
     async def read_json(self, request: Request) -> dict:
-        """The body as a JSON object; 413 past ``max_body_bytes`` (checked before parsing), else 400."""
+        """The body as a JSON object; 413 past ``max_body_bytes`` (checked before parsing), else 400
+        (not JSON, nested too deeply, not an object). Raises ``ClientDisconnect`` when the client
+        goes away while sending it."""
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -129,6 +167,8 @@ class Gateway:
             data = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequestError("the request body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         return data
@@ -155,15 +195,21 @@ class Gateway:
             for j in range(req.n):
                 plans.append((p, ids, self.encoder.sampling_params(req, len(ids), j)))
         await self.admission.check()
+        seq_ids = await self.router.next_seq_ids(len(plans))
         seqs = []
-        for choice, (p, ids, params) in enumerate(plans):
+        for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True)):
             detok = DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
-            seqs.append(SequenceState(choice, await self.router.next_seq_id(), p, ids, params, detok))
+            seqs.append(SequenceState(choice, seq_id, p, ids, params, detok))
         return seqs
 
     async def generate(self, request: Request, chat: bool):
         arrival = time.monotonic()
-        data = await self.read_json(request)
+        try:
+            data = await self.read_json(request)
+        except ClientDisconnect:  # gone while uploading: nothing to answer, nothing to log loudly
+            self.metrics.count_abort()
+            log.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
+            return Response(status_code=499)
         req = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
         seqs = await self.sequences(req, chat)
         gen = Generation(
@@ -231,8 +277,12 @@ class Gateway:
                     self.metrics.latency.observe(time.monotonic() - gen.arrival)
 
     async def health(self) -> JSONResponse:
+        """200 ``{"status": "ok", "workers": n}``; 503 with status "no_scheduler" or "no_worker";
+        503 OpenAI error JSON when Redis cannot be reached (the app's handler)."""
         snap = await self.admission.snapshot(fresh=True)
         self._set_queue_depth(snap.waiting)
+        if not snap.scheduler_alive:
+            return JSONResponse({"status": "no_scheduler", "workers": snap.num_workers}, status_code=503)
         if snap.num_workers == 0:
             return JSONResponse({"status": "no_worker", "workers": 0}, status_code=503)
         return JSONResponse({"status": "ok", "workers": snap.num_workers})

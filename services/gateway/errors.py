@@ -2,7 +2,8 @@
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}``. Bad input is a 4xx, never a
 500: pydantic validation errors, undecodable JSON, typed :class:`FuseServeError` s (with their
-``http_status``), Starlette's 404/405, and a last-resort handler that still answers OpenAI JSON.
+``http_status``), Starlette's 404/405. A Redis that cannot be reached (down, or no free pooled
+connection within the pool timeout) is a 503, and a last-resort handler still answers OpenAI JSON.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import redis.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -47,6 +49,30 @@ class SchedulerRejectedError(FuseServeError):
         super().__init__(message)
         self.http_status = status
         self.error_type = error_type
+
+
+class SchedulerUnavailableError(FuseServeError):
+    """No live scheduler: its heartbeat key (``SCHEDULER_HEARTBEAT``) is missing from Redis."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str = "no scheduler is running: its heartbeat key is missing from Redis"):
+        super().__init__(message)
+
+
+class RedisUnavailableError(FuseServeError):
+    """Redis did not answer (down, timed out, or no pooled connection came free in time)."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, cause: Exception):
+        super().__init__(f"the gateway cannot reach Redis: {type(cause).__name__}: {cause}")
+
+
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+"""Redis failures answered with 503 (``MaxConnectionsError`` is a ``ConnectionError``)."""
 
 
 STATUS_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error"}
@@ -103,6 +129,16 @@ def install_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
         if exc.http_status >= 500:
             log.warning("%s %s: %s", request.method, request.url.path, exc)
         return error_response(exc)
+
+    async def _redis(request: Request, exc: Exception) -> JSONResponse:
+        on_error(503)
+        log.warning(
+            "%s %s: Redis unavailable: %s: %s", request.method, request.url.path, type(exc).__name__, exc
+        )
+        return error_response(RedisUnavailableError(exc))
+
+    for cls in REDIS_ERRORS:
+        app.add_exception_handler(cls, _redis)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

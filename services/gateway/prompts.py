@@ -3,8 +3,10 @@
 Text prompts are tokenized like ``Pipeline._encode`` (``tokenizer(text)["input_ids"]``); chat
 messages are rendered like ``Pipeline.chat_prompt_ids`` (the chat template with the generation
 prompt, then tokenized without special tokens). Every check that can fail runs here, before
-anything is sent to the scheduler: empty prompts, token ids outside the vocabulary, sampling ranges,
-and prompt + max_tokens against the context (``ContextLengthExceededError`` with the numbers).
+anything is sent to the scheduler: empty prompts, text that is not valid Unicode (lone surrogates,
+which JSON can carry as ``\ud800`` escapes but UTF-8 cannot), token ids outside the vocabulary
+(prompt and ``stop_token_ids``), seeds outside the signed 64-bit range, sampling ranges, and
+prompt + max_tokens against the context (``ContextLengthExceededError`` with the numbers).
 """
 
 from __future__ import annotations
@@ -19,7 +21,23 @@ MAX_N = 16
 MAX_PROMPTS = 256
 """Largest number of prompts in one completions request."""
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""Seeds travel as signed 64-bit integers (each of ``n`` sequences gets ``seed + index``)."""
+
 _OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+
+
+def check_text(text: str, param: str) -> None:
+    """Raise ``InvalidRequestError`` (``param``) unless ``text`` can be encoded as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        raise InvalidRequestError(
+            f"{param} is not valid text: lone surrogate U+{ord(bad):04X} at character {e.start}; "
+            "text must be encodable as UTF-8",
+            param=param,
+        ) from None
 
 
 class PromptEncoder:
@@ -54,6 +72,7 @@ class PromptEncoder:
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             ids = self.tokenizer(prompt)["input_ids"] if prompt else []
         else:
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -67,8 +86,8 @@ class PromptEncoder:
     def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template (with the generation prompt).
 
-        Raises ``InvalidRequestError`` (param "messages") when the model has no chat template, the
-        template rejects the messages, or they render to nothing.
+        Raises ``InvalidRequestError`` (param "messages") when the model has no chat template, a
+        message is not valid text, the template rejects the messages, or they render to nothing.
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
@@ -77,6 +96,8 @@ class PromptEncoder:
         turns = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages
         ]
+        for turn in turns:
+            check_text(turn["content"], "messages")
         try:
             text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja raises on roles or orders the template does not accept
@@ -112,6 +133,7 @@ class PromptEncoder:
             max_tokens = room
         elif max_tokens > room:
             raise ContextLengthExceededError(prompt_len, max_tokens, self.max_model_len)
+        self.check_wire_values(req)
         if not 0 <= req.min_tokens <= max_tokens:
             raise InvalidParameterError(
                 "min_tokens", req.min_tokens, f"an integer in [0, max_tokens={max_tokens}]"
@@ -132,6 +154,23 @@ class PromptEncoder:
         if req.seed is not None:
             kwargs["seed"] = req.seed + index
         return SamplingParams.from_kwargs(**kwargs)
+
+    def check_wire_values(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """Raise ``InvalidParameterError`` for values the worker cannot take: stop strings that are
+        not valid text, ``stop_token_ids`` outside ``[0, vocab_size)``, and a ``seed`` whose
+        ``seed + n - 1`` leaves the signed 64-bit range."""
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        for stop in stops:
+            check_text(stop, "stop")
+        for t in req.stop_token_ids or []:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidParameterError(
+                    "stop_token_ids", t, f"token ids in [0, {self.vocab_size}) (the model's vocabulary)"
+                )
+        if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX - (req.n - 1):
+            raise InvalidParameterError(
+                "seed", req.seed, f"an integer in [-2**63, 2**63 - n] (n={req.n}: sequence i uses seed + i)"
+            )
 
     @staticmethod
     def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:

@@ -4,6 +4,11 @@ One background task reads this gateway's response stream (``responses_stream(gat
 blocking XREAD and hands each ``TokenMessage`` to the asyncio queue registered for its ``seq_id``;
 events of unknown sequences (finished, aborted, or another gateway's restart leftovers) are dropped.
 A request registers its queues *before* it XADDs its sequences, so no event can arrive unrouted.
+
+The same task watches the scheduler's heartbeat (``SCHEDULER_HEARTBEAT``) every ``check_s``
+seconds: once the key has been missing (or Redis unreadable) for ``grace_s`` seconds, every
+sequence in flight gets a 503 error event, so its request fails instead of waiting forever. The
+task survives any Redis failure: it retries until Redis answers again.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import redis.asyncio as aioredis
 from fuseserve.messages import (
     CONTROL,
     REQUESTS,
+    SCHEDULER_GRACE_S,
+    SCHEDULER_HEARTBEAT,
     SEQ_COUNTER,
     ControlMessage,
     RequestMessage,
@@ -28,7 +35,16 @@ from fuseserve.messages import (
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
-"""Milliseconds one XREAD waits for new entries (also how fast ``stop()`` is noticed)."""
+"""Milliseconds one XREAD waits at most for new entries (less when the heartbeat check is due)."""
+
+RETRY_S = 0.5
+"""Seconds between two attempts while Redis fails."""
+
+NO_SCHEDULER_ERROR = {
+    "message": "no scheduler is running: the request was in flight when the scheduler stopped",
+    "type": "service_unavailable",
+    "status": 503,
+}
 
 TRIM_EVERY = 256
 """Entries read between two trims of the response stream (everything read is deleted)."""
@@ -37,13 +53,28 @@ TRIM_EVERY = 256
 class ResponseRouter:
     """Routes one gateway's token events to per-request queues; sends requests and aborts.
 
-    redis: an ``redis.asyncio.Redis`` with ``decode_responses=True``.
+    redis: an ``redis.asyncio.Redis`` with ``decode_responses=True`` (submits, aborts, ids).
     gateway_id: this gateway's unique id (its response stream is ``responses_stream(gateway_id)``).
+    reader: the client of the background task (blocking XREAD, heartbeat); default ``redis``. A
+        client of its own keeps the task reading while requests hold every pooled connection.
+    grace_s: seconds without a scheduler heartbeat before sequences in flight fail (503).
+    check_s: seconds between two heartbeat checks.
     """
 
-    def __init__(self, redis: aioredis.Redis, gateway_id: str):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        gateway_id: str,
+        reader: aioredis.Redis | None = None,
+        grace_s: float = SCHEDULER_GRACE_S,
+        check_s: float = 0.5,
+    ):
         self.redis = redis
+        self.reader = reader if reader is not None else redis
         self.gateway_id = gateway_id
+        self.grace_s = grace_s
+        self.check_s = check_s
+        self.scheduler_missing_since: float | None = None  # monotonic seconds; None: heartbeat seen
         self.stream = responses_stream(gateway_id)
         self._queues: dict[int, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
@@ -69,9 +100,10 @@ class ResponseRouter:
             pass
 
     # ------------------------------------------------------------------ requests
-    async def next_seq_id(self) -> int:
-        """An engine-wide unique sequence id (INCR ``SEQ_COUNTER``)."""
-        return int(await self.redis.incr(SEQ_COUNTER))
+    async def next_seq_ids(self, n: int) -> list[int]:
+        """``n`` engine-wide unique sequence ids (one INCRBY of ``SEQ_COUNTER``)."""
+        last = int(await self.redis.incrby(SEQ_COUNTER, n))
+        return list(range(last - n + 1, last + 1))
 
     def register(self, seq_id: int, queue: asyncio.Queue) -> None:
         """Route ``seq_id``'s events to ``queue`` (several sequences may share one queue)."""
@@ -114,14 +146,19 @@ class ResponseRouter:
     # ------------------------------------------------------------------ response stream
     async def _read_loop(self) -> None:
         read_since_trim = 0
+        checked_at = float("-inf")
         while True:
+            if time.monotonic() - checked_at >= self.check_s:
+                checked_at = time.monotonic()
+                await self._check_scheduler()
+            block_ms = max(1, min(READ_BLOCK_MS, int(self.check_s * 1000)))
             try:
-                reply = await self.redis.xread({self.stream: self._last_id}, block=READ_BLOCK_MS, count=512)
+                reply = await self.reader.xread({self.stream: self._last_id}, block=block_ms, count=512)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis restarting: retry without losing the position
-                log.warning("reading %s failed (%s); retrying", self.stream, e)
-                await asyncio.sleep(0.5)
+                log.warning("reading %s failed (%s: %s); retrying", self.stream, type(e).__name__, e)
+                await asyncio.sleep(RETRY_S)
                 continue
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
@@ -136,9 +173,40 @@ class ResponseRouter:
             if read_since_trim >= TRIM_EVERY:
                 read_since_trim = 0
                 try:
-                    await self.redis.xtrim(self.stream, minid=self._last_id, approximate=True)
+                    await self.reader.xtrim(self.stream, minid=self._last_id, approximate=True)
                 except Exception as e:
                     log.debug("trim of %s failed: %s", self.stream, e)
+
+    async def _check_scheduler(self) -> None:
+        """Track how long the heartbeat has been missing; past ``grace_s``, fail what is in flight.
+
+        A Redis that does not answer counts as a missing heartbeat (no event can come either).
+        """
+        try:
+            alive = bool(await self.reader.exists(SCHEDULER_HEARTBEAT))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("heartbeat check failed: %s", e)
+            alive = False
+        now = time.monotonic()
+        if alive:
+            if self.scheduler_missing_since is not None:
+                log.info("scheduler heartbeat is back")
+            self.scheduler_missing_since = None
+            return
+        if self.scheduler_missing_since is None:
+            self.scheduler_missing_since = now
+            log.warning("no scheduler heartbeat; requests in flight fail in %.1f s", self.grace_s)
+        if now - self.scheduler_missing_since >= self.grace_s and self._queues:
+            self.fail_all(NO_SCHEDULER_ERROR)
+
+    def fail_all(self, error: dict) -> None:
+        """Give every sequence in flight an ``error`` event (``{"message", "type", "status"}``)."""
+        queues, self._queues = self._queues, {}
+        log.warning("failing %d sequences in flight: %s", len(queues), error["message"])
+        for seq_id, queue in queues.items():
+            queue.put_nowait(TokenMessage(seq_id, error=dict(error), finish_reason="abort"))
 
     def _dispatch(self, events: list[TokenMessage]) -> None:
         for ev in events:
