@@ -12,7 +12,8 @@ sent under their OpenAI names (``max_new_tokens`` → ``max_tokens``, ``min_new_
 ``min_tokens``). Token ids and logprobs come back through the gateway's ``return_token_ids``
 extension. Gateway errors are raised as typed fuseserve errors: 4xx → ``InvalidRequestError``
 (``http_status`` and ``param`` set from the answer), 429 → ``QueueFullError`` (``retry_after`` from
-the header), 503 → ``NoWorkerError``, other 5xx → ``FuseServeError``.
+the header), 503 → ``NoWorkerError`` (no live worker or scheduler, or the gateway cannot reach
+Redis), other 5xx → ``FuseServeError``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def error_from_answer(
     """The typed error of a gateway error answer (OpenAI error JSON)."""
     err = (payload or {}).get("error") or {}
     message = str(err.get("message") or f"gateway answered HTTP {status}")
+    if not err and isinstance((payload or {}).get("status"), str):  # /health: {"status": "no_scheduler"}
+        message += f": {payload['status']}"
     if status == 429:
         retry = (headers or {}).get("retry-after")
         exc: FuseServeError = QueueFullError(message, retry_after=float(retry) if retry else 1.0)
@@ -105,7 +108,8 @@ class Client:
         return [m["id"] for m in self._request("GET", "/v1/models")["data"]]
 
     def health(self) -> dict:
-        """The gateway's ``/health`` answer; raises ``NoWorkerError`` when it has no live worker."""
+        """The gateway's ``/health`` answer; raises ``NoWorkerError`` when it has no live worker or
+        scheduler (message ends with "no_worker" / "no_scheduler") or cannot reach Redis."""
         return self._request("GET", "/health")
 
     def generate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[Response]:

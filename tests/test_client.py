@@ -34,6 +34,8 @@ def fake():
 def _reset_fake(fake):
     yield
     fake.error_next = None
+    if fake.dead:
+        fake.revive()
     fake.add_worker()
     fake.set_waiting(0)
 
@@ -135,6 +137,19 @@ def test_errors_are_typed(client, fake):
     with pytest.raises(NoWorkerError, match="worker lost"):
         list(client.stream("x"))
     assert client.generate("still fine")[0].text == "still fine"
+
+
+def test_no_scheduler_is_no_worker_error(client, fake):
+    assert client.health()["status"] == "ok"
+    fake.kill()
+    with pytest.raises(NoWorkerError, match="no_scheduler"):
+        client.health()
+    with pytest.raises(NoWorkerError, match="no scheduler"):
+        client.generate("x")
+    with pytest.raises(NoWorkerError, match="no scheduler"):
+        list(client.stream("x"))
+    fake.revive()
+    assert client.generate("back again")[0].text == "back again"
 
 
 def test_unknown_model_and_unreachable(client):
