@@ -686,12 +686,15 @@ def test_redis_outage_is_503_and_recovers(smollm2_source):
         with httpx.Client(base_url=served.url, timeout=10) as client:
             sched = FakeScheduler(url)
             assert_works(client)
-            sched.close()
-            proc.terminate()
-            proc.wait(5)
-            for r in (client.get("/health"), post(client, "/v1/completions", prompt="x")):
-                assert assert_error(r, 503, contains="Redis")["type"] == "service_unavailable"
-            time.sleep(1.0)  # the router task retries meanwhile
+            sched.close()  # its heartbeat key lives on for SCHEDULER_TTL_S: a request still enters
+            with ThreadPoolExecutor(1) as pool:
+                in_flight = pool.submit(post, client, "/v1/completions", prompt="waits")
+                time.sleep(0.3)
+                proc.terminate()
+                proc.wait(5)
+                for r in (client.get("/health"), post(client, "/v1/completions", prompt="x")):
+                    assert assert_error(r, 503, contains="Redis")["type"] == "service_unavailable"
+                assert_error(in_flight.result(), 503, contains="lost Redis")  # after GRACE_S
             proc = start_redis()
             sched = FakeScheduler(url)
             deadline = time.monotonic() + 5

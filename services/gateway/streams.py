@@ -45,6 +45,11 @@ NO_SCHEDULER_ERROR = {
     "type": "service_unavailable",
     "status": 503,
 }
+NO_REDIS_ERROR = {
+    "message": "the gateway lost Redis while the request was in flight",
+    "type": "service_unavailable",
+    "status": 503,
+}
 
 TRIM_EVERY = 256
 """Entries read between two trims of the response stream (everything read is deleted)."""
@@ -80,6 +85,7 @@ class ResponseRouter:
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
         self._last_id = "0-0"  # the stream is new (unique gateway id): read it from the start
+        self._redis_down = False  # the last XREAD failed (logged once per outage)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -157,9 +163,14 @@ class ResponseRouter:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis restarting: retry without losing the position
-                log.warning("reading %s failed (%s: %s); retrying", self.stream, type(e).__name__, e)
+                if not self._redis_down:
+                    log.warning("reading %s failed (%s: %s); retrying", self.stream, type(e).__name__, e)
+                self._redis_down = True
                 await asyncio.sleep(RETRY_S)
                 continue
+            if self._redis_down:
+                log.info("reading %s again", self.stream)
+                self._redis_down = False
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
                     self._last_id = entry_id
@@ -182,13 +193,14 @@ class ResponseRouter:
 
         A Redis that does not answer counts as a missing heartbeat (no event can come either).
         """
+        error = NO_SCHEDULER_ERROR
         try:
             alive = bool(await self.reader.exists(SCHEDULER_HEARTBEAT))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.debug("heartbeat check failed: %s", e)
-            alive = False
+            alive, error = False, NO_REDIS_ERROR
         now = time.monotonic()
         if alive:
             if self.scheduler_missing_since is not None:
@@ -199,7 +211,7 @@ class ResponseRouter:
             self.scheduler_missing_since = now
             log.warning("no scheduler heartbeat; requests in flight fail in %.1f s", self.grace_s)
         if now - self.scheduler_missing_since >= self.grace_s and self._queues:
-            self.fail_all(NO_SCHEDULER_ERROR)
+            self.fail_all(error)
 
     def fail_all(self, error: dict) -> None:
         """Give every sequence in flight an ``error`` event (``{"message", "type", "status"}``)."""
