@@ -161,7 +161,10 @@ def test_disconnect_mid_stream_frees_the_sequence(stack):
                 seen += 1
                 if seen >= 3:
                     break
-        assert any(h.num_running_seqs > 0 for _, h in worker_health(stack))
+        deadline = time.monotonic() + 5.0  # the sequence is on a worker while it streams
+        while not any(h.num_running_seqs > 0 for _, h in worker_health(stack)):
+            assert time.monotonic() < deadline, "the streaming sequence never showed up on a worker"
+            time.sleep(0.05)
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         health = worker_health(stack)
