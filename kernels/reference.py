@@ -131,11 +131,12 @@ def paged_attention(
         )
         out[plan.decode_token_idx] = od.squeeze(2)
     for c in plan.prefills:
-        qp = q[c.start : c.end].transpose(0, 1)  # [H, q, D]
-        kp = gather_blocks(k_cache, c.blocks)[: c.context_len].transpose(0, 1)  # [KVH, L, D]
-        vp = gather_blocks(v_cache, c.blocks)[: c.context_len].transpose(0, 1)
+        # 4-D [1, heads, len, D]: the CPU flash kernel takes only batched input (3-D falls back to math)
+        qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
+        kp = gather_blocks(k_cache, c.blocks)[: c.context_len].transpose(0, 1).unsqueeze(0)
+        vp = gather_blocks(v_cache, c.blocks)[: c.context_len].transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=gqa
         )
-        out[c.start : c.end] = op.transpose(0, 1)
+        out[c.start : c.end] = op[0].transpose(0, 1)
     return out
