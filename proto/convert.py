@@ -49,6 +49,10 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
+#: channel / server options shared by both ends of the contract (plans of long prompts can be large)
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """``fuseserve.worker.v1.SamplingParams`` → SamplingParams (unset optionals become None).
 

@@ -27,8 +27,6 @@ from fuseserve.proto import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     """gRPC face of a ``ModelRunner``; steps run one at a time (the runner is not re-entrant)."""
@@ -125,7 +123,7 @@ def run_worker(args: argparse.Namespace) -> int:
     budget = args.token_budget or choose_token_budget(runner, str(source.path))
     metrics = WorkerMetrics(worker_id, args.metrics_port) if getattr(args, "metrics_port", None) else None
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=convert.GRPC_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, worker_id, source.name, metrics), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     server.start()

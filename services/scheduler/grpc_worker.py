@@ -1,0 +1,45 @@
+"""A remote worker as an ``EngineLoop`` handle: step plans over gRPC (``proto/worker.proto``)."""
+
+from __future__ import annotations
+
+import grpc
+
+from fuseserve import messages
+from fuseserve.errors import WorkerLostError
+from fuseserve.proto import convert
+from fuseserve.proto import worker_pb2 as pb
+from fuseserve.proto import worker_pb2_grpc as pb_grpc
+from fuseserve.types import StepPlan, StepResult
+
+STEP_TIMEOUT_S = 300.0  # a pass on a slow CPU can take seconds; a hung worker is cut off after this
+#: status codes that mean the worker is gone (its sequences recompute elsewhere); any other error
+#: fails only the plan that caused it
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class GrpcWorker:
+    """A remote worker as an ``EngineLoop`` handle."""
+
+    def __init__(self, record: messages.WorkerRecord):
+        self.record = record
+        self.channel = grpc.insecure_channel(record.address, options=convert.GRPC_OPTIONS)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Run a plan remotely. Raises ``WorkerLostError`` when the worker cannot be reached; any other
+        error (a plan the worker rejected, a value that cannot be encoded) fails only this plan."""
+        request = convert.step_plan_to_proto(plan)
+        try:
+            msg = self.stub.Step(request, timeout=STEP_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() in LOST_CODES:
+                raise WorkerLostError(f"{self.record.address}: {e.code().name}") from e
+            raise RuntimeError(f"worker {self.record.worker_id}: {e.code().name}: {e.details()}") from e
+        return convert.step_result_from_proto(msg)
+
+    def reset(self) -> None:
+        """Free everything the worker holds (it may have served a previous scheduler)."""
+        self.stub.Free(pb.FreeRequest(all=True), timeout=10)
+
+    def close(self) -> None:
+        self.channel.close()
