@@ -1,0 +1,104 @@
+"""Fixtures and helpers shared by ``test_pipeline.py`` and ``test_pipeline_errors.py``.
+
+``pipe`` and ``tiny`` are module-scoped: each test module that imports them by name builds its own
+pipelines once and closes them at its end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+TIMEOUT = 120  # seconds; a request that takes longer counts as hung
+BYTES_PER_BLOCK = 30 * 16 * 3 * 64 * 2 * 4  # layers x block tokens x kv heads x head dim x (K, V) x fp32
+TINY_BLOCKS = 10
+
+
+@pytest.fixture(scope="module")
+def pipe(smollm2_source):
+    import fuseserve
+
+    p = fuseserve.pipeline(
+        str(smollm2_source.path), token_budget=64, kv_cache_memory="256MiB", progress=False
+    )
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_source):
+    """The same model with a KV pool of 10 blocks (160 tokens): a handful of requests overflow it."""
+    import fuseserve
+
+    p = fuseserve.pipeline(
+        str(smollm2_source.path),
+        token_budget=64,
+        kv_cache_memory=TINY_BLOCKS * BYTES_PER_BLOCK,
+        progress=False,
+    )
+    assert p.runner.info.num_blocks == TINY_BLOCKS
+    yield p
+    p.close()
+
+
+def chat(pipe, text: str) -> list[int]:
+    return pipe.chat_prompt_ids([{"role": "user", "content": text}])
+
+
+def in_thread(fn, timeout: float = TIMEOUT):
+    """Run ``fn()`` in a thread; return its result or re-raise its exception; fail if it hangs."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"call did not return within {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def run_concurrently(fns, timeout: float = TIMEOUT) -> list:
+    """Start every ``fn`` at the same moment in its own thread; results in order."""
+    barrier = threading.Barrier(len(fns))
+    results: list = [None] * len(fns)
+    errors: list = []
+
+    def target(i, fn):
+        barrier.wait()
+        try:
+            results[i] = fn()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "concurrent calls hung"
+    assert not errors, errors
+    return results
+
+
+def wait_all_free(p, timeout: float = 10.0) -> None:
+    """Every KV block is free again, in the worker and in the scheduler's accounting."""
+    account = p.scheduler.slots["local"].account
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.runner.num_free_blocks == p.runner.info.num_blocks and account.num_free == account.num_blocks:
+            return
+        time.sleep(0.02)
+    raise AssertionError(
+        f"blocks not freed: worker {p.runner.num_free_blocks}/{p.runner.info.num_blocks}, "
+        f"scheduler {account.num_free}/{account.num_blocks}"
+    )
