@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from fuseserve.errors import ModelLoadError
 
@@ -32,22 +32,15 @@ _HASH_CHUNK_BYTES = 1 << 22
 _HASH_INDEX_FILE = "gguf-hashes.json"
 _SOURCE_MARKER_FILE = "fuseserve_source.json"
 
-#: ``convert(gguf_path, target_dir, sha256_hex, progress)``: writes the checkpoint at ``target_dir``
-Converter = Callable[[pathlib.Path, pathlib.Path, str, bool], None]
 
-
-def cached_conversion(
-    path: pathlib.Path, cache: pathlib.Path, progress: bool, convert: Converter | None = None
-) -> pathlib.Path:
+def cached_conversion(path: pathlib.Path, cache: pathlib.Path, progress: bool) -> pathlib.Path:
     """Return the directory holding the cached conversion of the GGUF file ``path``, converting it
     first if needed.
 
-    ``cache`` is the cache root (the conversion lands in ``cache/gguf/<stem>-<sha256[:16]>``);
-    ``convert`` is the converter, ``convert_gguf`` by default (``model_source`` passes the one it
-    names, so tests can replace the ~40 s conversion). Raises ``ModelLoadError`` for a file that is
+    ``cache`` is the cache root (the conversion lands in ``cache/gguf/<stem>-<sha256[:16]>``).
+    Raises ``ModelLoadError`` for a file that is
     not GGUF, cannot be read or cannot be converted, or a cache directory that cannot be created.
     """
-    convert = convert or convert_gguf
     _check_gguf_magic(path)
     digest = gguf_sha256(path, cache)
     root = cache / "gguf"
@@ -61,7 +54,7 @@ def cached_conversion(
             if not target.is_dir():  # another process may have finished while we waited
                 for stale in root.glob(f".tmp-{target.name}-*"):  # left by a killed converter
                     shutil.rmtree(stale, ignore_errors=True)
-                convert(path, target, digest, progress)
+                convert_gguf(path, target, digest, progress)
     return target
 
 

@@ -18,7 +18,6 @@ crash never leaves a half-written cache and two processes never convert the same
 
 from __future__ import annotations
 
-import hashlib  # noqa: F401 (tests patch model_source.hashlib.sha256)
 import importlib.util
 import json
 import os
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from fuseserve.errors import ModelLoadError
 from fuseserve.gguf_cache import GGUF_MAGIC, cached_conversion, gguf_sha256  # noqa: F401 (re-exported)
-from fuseserve.gguf_cache import convert_gguf as _convert_gguf  # named here so tests can replace it
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -216,5 +214,5 @@ def _alias_gguf_path(alias: str) -> pathlib.Path:
 
 def _from_gguf(path: pathlib.Path, name: str, cache: pathlib.Path, progress: bool) -> ModelSource:
     """Return the cached conversion of the GGUF file ``path``, converting it first if needed."""
-    target = cached_conversion(path, cache, progress, convert=_convert_gguf)
+    target = cached_conversion(path, cache, progress)
     return ModelSource(path=target, name=name, config=_load_config(target))

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from fuseserve import model_source
+from fuseserve import gguf_cache, model_source
 from fuseserve.errors import ModelLoadError
 from fuseserve.model_source import ModelSource, resolve_model
 
@@ -66,7 +66,7 @@ def test_alias_is_case_insensitive_and_cached(smollm2_source: ModelSource, monke
     def no_conversion(*args, **kwargs):
         raise AssertionError("the cached GGUF model was converted again")
 
-    monkeypatch.setattr(model_source, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", no_conversion)
     start = time.perf_counter()
     again = resolve_model("SmolLM2-135M-Instruct", cache_dir=cache, progress=False)
     again.load_tokenizer()
@@ -85,7 +85,7 @@ def test_gguf_hash_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
     def no_rehash(*args, **kwargs):
         raise AssertionError("rehashed an unchanged file")
 
-    monkeypatch.setattr(model_source.hashlib, "sha256", no_rehash)
+    monkeypatch.setattr(gguf_cache.hashlib, "sha256", no_rehash)
     assert model_source.gguf_sha256(gguf, tmp_path) == digest
 
 
@@ -236,7 +236,7 @@ def test_concurrent_resolves_convert_once(tmp_path, monkeypatch):
         (staging / "config.json").write_bytes((tiny / "config.json").read_bytes())
         staging.rename(target)
 
-    monkeypatch.setattr(model_source, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", fake_convert)
     results: list[ModelSource] = []
     threads = [
         threading.Thread(target=lambda: results.append(resolve_model(fake, cache_dir=tmp_path / "cache")))
@@ -263,6 +263,6 @@ def test_stale_temp_dir_from_killed_conversion_is_removed(tmp_path, monkeypatch)
         target.mkdir()
         (target / "config.json").write_bytes((tiny / "config.json").read_bytes())
 
-    monkeypatch.setattr(model_source, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", fake_convert)
     resolve_model(fake, cache_dir=tmp_path / "cache")
     assert not stale.exists()
