@@ -43,9 +43,17 @@ class Stack:
         self.argv[name] = argv
         return proc
 
+    def _redis_exited(self) -> bool:
+        """True when the Redis we started has exited (an external ``REDIS_URL`` is not watched)."""
+        return (
+            self.redis is not None
+            and self.redis.process is not None
+            and self.redis.process.poll() is not None
+        )
+
     def check_alive(self) -> None:
         """Raise ``FuseServeError`` if Redis or any child has exited (used while starting up)."""
-        if self.redis is not None and self.redis.process is not None and self.redis.process.poll() is not None:
+        if self._redis_exited():
             raise FuseServeError("redis-server exited (see its log above)")
         for name, p in self.procs:
             if p.poll() is not None:
@@ -55,7 +63,7 @@ class Stack:
         """Restart children that exited (a crashed worker comes back and re-registers; its sequences
         were already resumed elsewhere). Raises ``FuseServeError`` when Redis is gone or a child
         crashes ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S``."""
-        if self.redis is not None and self.redis.process is not None and self.redis.process.poll() is not None:
+        if self._redis_exited():
             raise FuseServeError("redis-server exited; stopping the stack")
         for i, (name, p) in enumerate(self.procs):
             if p.poll() is None:
@@ -65,7 +73,11 @@ class Stack:
             if len(recent) > MAX_RESTARTS:
                 raise FuseServeError(f"{name} keeps exiting (status {p.returncode}); stopping the stack")
             self.restarts[name] = recent
-            print(f"fuseserve: {name} exited with status {p.returncode}; restarting it", file=sys.stderr, flush=True)
+            print(
+                f"fuseserve: {name} exited with status {p.returncode}; restarting it",
+                file=sys.stderr,
+                flush=True,
+            )
             self.procs.pop(i)
             self.spawn(name, self.argv[name])
             return  # the list changed; the next call looks at the rest
