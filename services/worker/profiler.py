@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 KNEE_FRACTION = 0.9
 PROFILE_SIZES = (32, 64, 128, 256, 512)
+PROFILE_VERSION = 2  # bump when the forward path changes enough to move the curve (invalidates caches)
 _PROFILE_SEQ_ID = -1  # never handed out to requests (sequence ids are >= 0)
 
 
@@ -56,7 +57,7 @@ def knee(curve: dict[int, float], fraction: float = KNEE_FRACTION) -> int:
 
 def choose_token_budget(runner, model_key: str, cache_dir: Path | None = None) -> int:
     """Profile (or read the cached profile) and return the knee; logs the curve and the choice."""
-    key = f"{model_key}|{runner.device}|{runner.dtype}|torch{torch.__version__}|threads{torch.get_num_threads()}"
+    key = f"v{PROFILE_VERSION}|{model_key}|{runner.device}|{runner.dtype}|torch{torch.__version__}|threads{torch.get_num_threads()}"
     cache_dir = Path(cache_dir or os.environ.get("FUSESERVE_CACHE", Path.home() / ".cache" / "fuseserve"))
     path = cache_dir / "token_budget.json"
     table = json.loads(path.read_text()) if path.exists() else {}
