@@ -133,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         "--sla-factor", type=float, help="divide all paper thresholds by this (default: measured)"
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="results file stem (default: benchmarks/results/<mode>)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results file stem; a bare name goes under benchmarks/results/ (default: <mode>)",
+    )
     args = ap.parse_args(argv)
 
     name = "full" if args.full else "quick"
@@ -150,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         cfg["systems"] = ["openai"]
         name = "url"
-    stem = Path(args.out) if args.out else RESULTS / name
+    stem = (
+        (RESULTS / args.out if Path(args.out).parent == Path(".") else Path(args.out))
+        if args.out
+        else RESULTS / name
+    )
     jsonl = stem.with_suffix(".jsonl")
     jsonl.unlink(missing_ok=True)
 
