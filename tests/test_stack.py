@@ -14,37 +14,22 @@ import grpc
 import httpx
 import pytest
 import redis
+from stack_harness import MODEL, local_stack, openai_client
 
 from fuseserve import messages
-from fuseserve.redis_launcher import free_port
 
-MODEL = "smollm2-135m-instruct"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    from fuseserve.launcher import serve_args, start_stack
-
-    args = serve_args(
-        model=MODEL,
-        workers=2,
-        port=free_port(),
-        token_budget=64,
-        kv_cache_memory="128MiB",
-        device="cpu",
-        threads=1,
-    )
-    proc_stack, base = start_stack(args)
-    yield proc_stack, base
-    proc_stack.stop()
+    with local_stack(token_budget=64, kv_cache_memory="128MiB") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    import openai
-
-    return openai.OpenAI(base_url=f"{stack[1]}/v1", api_key="unused", timeout=300)
+    return openai_client(stack[1])
 
 
 @pytest.fixture(scope="module")

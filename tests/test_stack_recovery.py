@@ -12,37 +12,21 @@ import signal
 import time
 
 import pytest
+from stack_harness import MODEL, local_stack, openai_client
 
-from fuseserve.redis_launcher import free_port
-
-MODEL = "smollm2-135m-instruct"
 PROMPTS = [f"Tell me about the number {i}." for i in range(4)]
 NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    from fuseserve.launcher import serve_args, start_stack
-
-    args = serve_args(
-        model=MODEL,
-        workers=2,
-        port=free_port(),
-        token_budget=32,
-        kv_cache_memory="64MiB",
-        device="cpu",
-        threads=1,
-    )
-    s, base = start_stack(args)
-    yield s, base
-    s.stop()
+    with local_stack(token_budget=32, kv_cache_memory="64MiB") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    import openai
-
-    return openai.OpenAI(base_url=f"{stack[1]}/v1", api_key="unused", timeout=300, max_retries=0)
+    return openai_client(stack[1], max_retries=0)
 
 
 def ask(client, prompt):

@@ -1,0 +1,38 @@
+"""Test helper: a local stack (the code behind ``fuseserve serve``) on SmolLM2 with 2 CPU workers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from fuseserve.redis_launcher import free_port
+
+MODEL = "smollm2-135m-instruct"
+
+
+@contextlib.contextmanager
+def local_stack(token_budget: int, kv_cache_memory: str) -> Iterator[tuple[object, str]]:
+    """Start Redis, scheduler, 2 workers (1 thread each) and the gateway; yields ``(stack, base_url)``."""
+    from fuseserve.launcher import serve_args, start_stack
+
+    args = serve_args(
+        model=MODEL,
+        workers=2,
+        port=free_port(),
+        token_budget=token_budget,
+        kv_cache_memory=kv_cache_memory,
+        device="cpu",
+        threads=1,
+    )
+    stack, base = start_stack(args)
+    try:
+        yield stack, base
+    finally:
+        stack.stop()
+
+
+def openai_client(base: str, **kwargs):
+    """The official ``openai`` client pointed at the stack."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, **kwargs)
