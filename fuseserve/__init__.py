@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["pipeline", "Pipeline", "Client", "Response", "SamplingParams"]
+__all__ = ["pipeline", "Pipeline", "serve", "Client", "Response", "SamplingParams"]
 
 if TYPE_CHECKING:
     from fuseserve.client import Client
     from fuseserve.engine import Pipeline, pipeline
+    from fuseserve.launcher import serve
     from fuseserve.outputs import Response
     from fuseserve.sampling_params import SamplingParams
 
@@ -28,6 +29,10 @@ def __getattr__(name: str):  # lazy: importing fuseserve must not import torch
         from fuseserve import engine as module
 
         return getattr(module, name)
+    if name == "serve":
+        from fuseserve.launcher import serve
+
+        return serve
     if name == "Client":
         from fuseserve.client import Client
 

@@ -179,6 +179,42 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         raise
 
 
+class LocalServer:
+    """A running local stack: ``url`` (``http://host:port``, the OpenAI base is ``url + "/v1"``),
+    ``stop()``; usable as a context manager."""
+
+    def __init__(self, stack: Stack, url: str):
+        self.stack = stack
+        self.url = url
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(
+    model: str = "smollm2-135m-instruct",
+    *,
+    workers: int = 1,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    **options,
+) -> LocalServer:
+    """Start the persistent stack locally from Python, like ``fuseserve serve``; returns once healthy.
+
+    ``options`` are the other ``fuseserve serve`` options by their Python names (``token_budget``,
+    ``kv_cache_memory``, ``policy``, ``device``, ``threads``, ...). Raises ``TypeError`` for an unknown
+    option and ``FuseServeError`` when a process dies or the stack is not healthy in time.
+    """
+    stack, url = start_stack(serve_args(model=model, workers=workers, host=host, port=port, **options))
+    return LocalServer(stack, url)
+
+
 def wait_healthy(stack: Stack, base: str, workers: int, timeout: float = READY_TIMEOUT_S) -> None:
     """Block until ``/health`` reports ``workers`` workers; raises if a child dies or time runs out."""
     deadline = time.monotonic() + timeout

@@ -12,23 +12,19 @@ MODEL = "smollm2-135m-instruct"
 
 @contextlib.contextmanager
 def local_stack(token_budget: int, kv_cache_memory: str) -> Iterator[tuple[object, str]]:
-    """Start Redis, scheduler, 2 workers (1 thread each) and the gateway; yields ``(stack, base_url)``."""
-    from fuseserve.launcher import serve_args, start_stack
+    """``fuseserve.serve`` with 2 CPU workers (1 thread each); yields ``(stack, base_url)``."""
+    import fuseserve
 
-    args = serve_args(
-        model=MODEL,
+    with fuseserve.serve(
+        MODEL,
         workers=2,
         port=free_port(),
         token_budget=token_budget,
         kv_cache_memory=kv_cache_memory,
         device="cpu",
         threads=1,
-    )
-    stack, base = start_stack(args)
-    try:
-        yield stack, base
-    finally:
-        stack.stop()
+    ) as server:
+        yield server.stack, server.url
 
 
 def openai_client(base: str, **kwargs):
