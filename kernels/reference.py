@@ -103,10 +103,8 @@ def plan_attention(
         nmax = max(len(r) for r in dec_rows)
         lens = torch.tensor(dec_lens, device=device)
         plan.decode_blocks = torch.stack([F.pad(r, (0, nmax - len(r))) for r in dec_rows])
-        k_pos = torch.arange(nmax * block_size, device=device)
-        mask = k_pos[None, :] < lens[:, None]
-        if sliding_window is not None:
-            mask &= k_pos[None, :] > (lens[:, None] - 1) - sliding_window
+        # each decode query sits at position len - 1; padded keys lie beyond it and are masked
+        mask = _visible(lens - 1, torch.arange(nmax * block_size, device=device), sliding_window)
         plan.decode_mask = mask[:, None, None, :]
         plan.decode_token_idx = torch.tensor(dec_idx, device=device)
     return plan
