@@ -105,7 +105,7 @@ class Scheduler:
             return []
         moved = list(slot.running)
         for seq in reversed(moved):
-            self._to_waiting(seq, preempted=False)
+            self._to_waiting(seq)
         return moved
 
     # ----- requests -----
@@ -220,18 +220,23 @@ class Scheduler:
         slot.entries = [(s, n) for s, n in slot.entries if s is not seq]
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._to_waiting(seq, preempted=True)
+        self._to_waiting(seq)
         log.debug("preempted seq %d (%d times)", seq.seq_id, seq.num_preemptions)
 
-    def _to_waiting(self, seq: Sequence, preempted: bool) -> None:
+    def _detach(self, seq: Sequence) -> None:
+        """Take ``seq`` off its worker: release its blocks now, free them on the worker with the next plan."""
         slot = self.slots.get(seq.worker) if seq.worker else None
         if slot is not None:
             slot.account.release(seq.seq_id)
-            slot.running.remove(seq)
+            if seq in slot.running:
+                slot.running.remove(seq)
             slot.pending_free.append(seq.seq_id)
+        seq.worker = None
+
+    def _to_waiting(self, seq: Sequence) -> None:
+        self._detach(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.worker = None
         self.waiting.appendleft(seq)
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence) -> bool:
@@ -320,13 +325,7 @@ class Scheduler:
         return None, False
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        slot = self.slots.get(seq.worker) if seq.worker else None
-        if slot is not None:
-            slot.account.release(seq.seq_id)
-            if seq in slot.running:
-                slot.running.remove(seq)
-            slot.pending_free.append(seq.seq_id)
+        self._detach(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        seq.worker = None
         self.seqs.pop(seq.seq_id, None)
