@@ -21,7 +21,7 @@ from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.errors import ContextLengthExceededError, FuseServeError, InvalidRequestError
 from fuseserve.model_source import resolve_model
 from fuseserve.outputs import Response
-from fuseserve.sampling_params import SamplingParams
+from fuseserve.sampling_params import SamplingParams, check_text
 from fuseserve.scheduler.engine_loop import EngineLoop
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
@@ -120,18 +120,14 @@ class Pipeline:
         """
         batch = _as_batch(prompts)
         params = SamplingParams.from_kwargs(**kwargs).validate()
-        ids = [self._encode(p) for p in batch]
-        for p in ids:
-            self._check_length(p, params)
+        ids = [self._encode(p, params) for p in batch]
         reqs = [self._submit(p, params) for p in ids]
         return [self._collect(r) for r in reqs]
 
     def stream(self, prompt: Prompt, **kwargs) -> Iterator[str]:
         """Yield text deltas as they are produced; joined, they equal the non-streamed text."""
         params = SamplingParams.from_kwargs(**kwargs).validate()
-        ids = self._encode(prompt)
-        self._check_length(ids, params)
-        return self._lazy_events(ids, params, with_tokens=False)
+        return self._lazy_events(self._encode(prompt, params), params, with_tokens=False)
 
     def stream_tokens(self, prompt: Prompt, **kwargs) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, text_delta)`` for every generated token as the engine produces it.
@@ -140,9 +136,7 @@ class Pipeline:
         stop string; it arrives with a later token). Same keywords and errors as ``__call__``.
         """
         params = SamplingParams.from_kwargs(**kwargs).validate()
-        ids = self._encode(prompt)
-        self._check_length(ids, params)
-        return self._lazy_events(ids, params, with_tokens=True)
+        return self._lazy_events(self._encode(prompt, params), params, with_tokens=True)
 
     def _lazy_events(self, ids: list[int], params: SamplingParams, with_tokens: bool):
         """Submit on the first ``next()``, so a stream dropped before iteration never runs."""
@@ -169,7 +163,7 @@ class Pipeline:
             )
         for m in messages:
             if isinstance(m.get("content"), str):
-                _check_text(m["content"], "messages")
+                check_text(m["content"], "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja errors on malformed messages
@@ -194,11 +188,12 @@ class Pipeline:
         self.close()
 
     # ----- request side (caller threads) -----
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """Token ids of ``prompt``, checked to fit the context with ``params.max_new_tokens``."""
         if isinstance(prompt, str):
-            _check_text(prompt, "prompt")
+            check_text(prompt, "prompt")
             ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif _is_ids(prompt):
             bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
             if bad:
                 raise InvalidRequestError(
@@ -212,11 +207,9 @@ class Pipeline:
             if bos is None:
                 raise InvalidRequestError("empty prompt and the model has no BOS token", param="prompt")
             ids = [bos]
-        return ids
-
-    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
         if len(ids) + params.max_new_tokens > self.max_model_len:
             raise ContextLengthExceededError(len(ids), params.max_new_tokens, self.max_model_len)
+        return ids
 
     def _submit(self, ids: list[int], params: SamplingParams) -> _Request:
         if self._closed:
@@ -341,16 +334,6 @@ def _as_batch(prompts) -> list[Prompt]:
         f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}",
         param="prompt",
     )
-
-
-def _check_text(text: str, param: str) -> None:
-    """Raise ``InvalidRequestError`` for text that is not valid Unicode (lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequestError(
-            f"{param} is not valid Unicode: {e.reason} at position {e.start}", param
-        ) from e
 
 
 _LIVE: weakref.WeakSet[Pipeline] = weakref.WeakSet()

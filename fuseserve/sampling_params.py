@@ -45,6 +45,20 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
+def check_text(text: str, param: str) -> None:
+    """Raise ``InvalidRequestError`` (``param``) unless ``text`` can be encoded as UTF-8.
+
+    Shared by every front end (pipeline, gateway) for prompts, messages and stop strings.
+    """
+    if not _is_utf8(text):
+        start = next(i for i, ch in enumerate(text) if not _is_utf8(ch))
+        raise InvalidRequestError(
+            f"{param} is not valid text: lone surrogate U+{ord(text[start]):04X} at character {start}; "
+            "text must be encodable as UTF-8",
+            param=param,
+        )
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

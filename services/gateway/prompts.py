@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fuseserve.errors import ContextLengthExceededError, InvalidParameterError, InvalidRequestError
 from fuseserve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams, check_text
 
 MAX_N = 16
 """Largest ``n`` (sequences per prompt) a request may ask for."""
@@ -25,19 +25,6 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds travel as signed 64-bit integers (each of ``n`` sequences gets ``seed + index``)."""
 
 _OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
-
-
-def check_text(text: str, param: str) -> None:
-    """Raise ``InvalidRequestError`` (``param``) unless ``text`` can be encoded as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = text[e.start]
-        raise InvalidRequestError(
-            f"{param} is not valid text: lone surrogate U+{ord(bad):04X} at character {e.start}; "
-            "text must be encodable as UTF-8",
-            param=param,
-        ) from None
 
 
 class PromptEncoder:
