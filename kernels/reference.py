@@ -4,7 +4,11 @@ Every other kernel (Triton, flash-attn) is tested against these functions. Shape
 ``q [T, num_heads, head_dim]``, ``k/v [T, num_kv_heads, head_dim]``, caches
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Causal attention of each query to its own
 sequence's keys at positions ``<=`` its own; with a sliding window W a query at position p sees
-keys at positions ``> p - W`` (Mistral, as in ``transformers``).
+keys at positions ``> p - W`` (Mistral, as in ``transformers``). With a logit soft-cap c (Gemma 2)
+the scores ``s = scale * q.k`` become ``c * tanh(s / c)`` before masking and softmax.
+
+The window and the soft-cap are per layer: ``plan_attention`` builds the per-pass index tensors once,
+and the visibility masks of each window are built the first time a layer asks for them.
 
 Decode tokens (query length 1) of all sequences run as one padded batched call; prefill chunks
 (which attend to earlier chunks through the cache) run one call each.
@@ -46,13 +50,21 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PrefillChunk:
     """One multi-token chunk: tokens ``start:end`` of the pass attending to ``context_len`` keys held
-    in ``blocks``; ``mask [q, context_len]`` or None for plain causal."""
+    in ``blocks``."""
 
     start: int
     end: int
     blocks: torch.Tensor
     context_len: int
-    mask: torch.Tensor | None
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        """``[q, context_len]`` visibility, or None when plain causal attention is exact."""
+        q_len = self.end - self.start
+        if self.context_len == q_len and (sliding_window is None or self.context_len <= sliding_window):
+            return None
+        device = self.blocks.device
+        q_pos = torch.arange(self.context_len - q_len, self.context_len, device=device)
+        return _visible(q_pos, torch.arange(self.context_len, device=device), sliding_window)
 
 
 @dataclass
@@ -62,8 +74,24 @@ class TorchAttentionPlan:
     slot_mapping: torch.Tensor
     decode_token_idx: torch.Tensor | None = None  # [Sd] tokens that are single-token chunks
     decode_blocks: torch.Tensor | None = None  # [Sd, max_blocks] block ids, padded with block 0
-    decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, max_blocks * block_size] True where a key is visible
+    decode_lens: torch.Tensor | None = None  # [Sd] context length of each decode sequence
+    block_size: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)  # sliding window → (decode mask, prefill masks)
+
+    def masks(self, sliding_window: int | None) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """Visibility masks for one window, built once per pass: the decode mask
+        ``[Sd, 1, 1, max_blocks * block_size]`` (True where a key is visible) and one mask per prefill chunk."""
+        if sliding_window not in self._masks:
+            dec = None
+            if self.decode_blocks is not None:
+                keys = torch.arange(
+                    self.decode_blocks.shape[1] * self.block_size, device=self.slot_mapping.device
+                )
+                # each decode query sits at position len - 1; padded keys lie beyond it and are masked
+                dec = _visible(self.decode_lens - 1, keys, sliding_window)[:, None, None, :]
+            self._masks[sliding_window] = (dec, [c.mask(sliding_window) for c in self.prefills])
+        return self._masks[sliding_window]
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -79,11 +107,10 @@ def plan_attention(
     block_tables: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_size: int,
-    sliding_window: int | None,
 ) -> TorchAttentionPlan:
     """Group a ragged batch into one batched decode call plus one call per prefill chunk."""
     device = slot_mapping.device
-    plan = TorchAttentionPlan(slot_mapping=slot_mapping)
+    plan = TorchAttentionPlan(slot_mapping=slot_mapping, block_size=block_size)
     dec_idx, dec_rows, dec_lens = [], [], []
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens, strict=True)):
@@ -93,48 +120,74 @@ def plan_attention(
             dec_rows.append(blocks)
             dec_lens.append(ctx_len)
         else:
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-            mask = None
-            if ctx_len != q_len or (sliding_window is not None and ctx_len > sliding_window):
-                mask = _visible(q_pos, torch.arange(ctx_len, device=device), sliding_window)
-            plan.prefills.append(PrefillChunk(start, start + q_len, blocks, ctx_len, mask))
+            plan.prefills.append(PrefillChunk(start, start + q_len, blocks, ctx_len))
         start += q_len
     if dec_rows:
         nmax = max(len(r) for r in dec_rows)
-        lens = torch.tensor(dec_lens, device=device)
+        plan.decode_lens = torch.tensor(dec_lens, device=device)
         plan.decode_blocks = torch.stack([F.pad(r, (0, nmax - len(r))) for r in dec_rows])
-        # each decode query sits at position len - 1; padded keys lie beyond it and are masked
-        mask = _visible(lens - 1, torch.arange(nmax * block_size, device=device), sliding_window)
-        plan.decode_mask = mask[:, None, None, :]
         plan.decode_token_idx = torch.tensor(dec_idx, device=device)
     return plan
 
 
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention of ``q [B, H, Lq, D]`` over ``k/v [B, KVH, Lk, D]`` → ``[B, H, Lq, D]``.
+
+    ``mask`` (broadcastable to ``[B, H, Lq, Lk]``, True = visible) or None for causal attention with the
+    queries at the last ``Lq`` key positions. Without a soft-cap this is PyTorch's fused SDPA; with one,
+    the scores are capped (``c * tanh(s / c)``) in an explicit fp32 computation.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = soft_cap * torch.tanh(s / soft_cap)
+    if mask is None:
+        lq, lk = s.shape[-2], s.shape[-1]
+        mask = _visible(torch.arange(lk - lq, lk, device=s.device), torch.arange(lk, device=s.device), None)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchAttentionPlan, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: TorchAttentionPlan,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [T, H, D]`` over each sequence's cached keys/values → ``[T, H, D]``.
 
-    The current tokens' K/V must already be written (``write_kv``).
+    The current tokens' K/V must already be written (``write_kv``). ``sliding_window`` and
+    ``soft_cap`` are this layer's (None: full causal attention, no cap).
     """
-    kvh = k_cache.shape[2]
     out = torch.empty_like(q)
-    gqa = q.shape[1] != kvh
+    decode_mask, prefill_masks = plan.masks(sliding_window)
     if plan.decode_token_idx is not None:
         qd = q[plan.decode_token_idx].unsqueeze(2)  # [Sd, H, 1, D]
         kd = gather_blocks(k_cache, plan.decode_blocks).transpose(1, 2)  # [Sd, KVH, L, D]
         vd = gather_blocks(v_cache, plan.decode_blocks).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa
-        )
+        od = sdpa(qd, kd, vd, decode_mask, scale, soft_cap)
         out[plan.decode_token_idx] = od.squeeze(2)
-    for c in plan.prefills:
+    for c, mask in zip(plan.prefills, prefill_masks, strict=True):
         # 4-D [1, heads, len, D]: the CPU flash kernel takes only batched input (3-D falls back to math)
         qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
         kp = gather_blocks(k_cache, c.blocks)[: c.context_len].transpose(0, 1).unsqueeze(0)
         vp = gather_blocks(v_cache, c.blocks)[: c.context_len].transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=gqa
-        )
+        op = sdpa(qp, kp, vp, mask, scale, soft_cap)
         out[c.start : c.end] = op[0].transpose(0, 1)
     return out

@@ -1,6 +1,6 @@
 """Attention backends and the scoped forward context through which batch metadata reaches attention.
 
-Model files call ``attention(layer_idx, q, k, v, scale)``; the backend (torch reference, Triton,
+Model files call ``attention(layer_idx, q, k, v, scale, sliding_window=..., soft_cap=...)``; the backend (torch reference, Triton,
 flash-attn) and its per-pass metadata come from the ``ForwardContext`` the runner opens around the
 forward pass. Model code never branches on the device or the backend (STYLE 6, 9).
 """
@@ -28,13 +28,15 @@ class AttentionBackend(ABC):
     writes the pass's K/V into the cache at ``batch.slot_mapping`` and returns the attention output
     ``[T, num_heads * head_dim]`` for queries ``q [T, num_heads, head_dim]``. Each query attends
     causally to its own sequence (earlier chunks included, through the cache); with
-    ``sliding_window`` W, only to the last W positions (itself included).
+    ``sliding_window`` W, only to the last W positions (itself included). With ``soft_cap`` c the
+    scores ``s = scale * q.k`` become ``c * tanh(s / c)`` before softmax (Gemma 2). Window and cap are
+    per layer (one model may alternate windowed and global layers), so they come with each call.
     """
 
     name: str = "abstract"
 
     @abstractmethod
-    def prepare(self, batch: RaggedBatch, block_size: int, sliding_window: int | None) -> Any: ...
+    def prepare(self, batch: RaggedBatch, block_size: int) -> Any: ...
 
     @abstractmethod
     def forward(
@@ -46,6 +48,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: Any,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -54,19 +58,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def prepare(self, batch: RaggedBatch, block_size: int, sliding_window: int | None) -> Any:
+    def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
         return reference.plan_attention(
-            batch.query_lens,
-            batch.context_lens,
-            batch.block_tables,
-            batch.slot_mapping,
-            block_size,
-            sliding_window,
+            batch.query_lens, batch.context_lens, batch.block_tables, batch.slot_mapping, block_size
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
         reference.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = reference.paged_attention(q, k_cache, v_cache, metadata, scale)
+        out = reference.paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
         return out.flatten(1)
 
 
@@ -95,17 +94,33 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 
 
 def attention(
-    layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention of layer ``layer_idx``: ``q [T, H, D]``, ``k/v [T, KVH, D]`` → ``[T, H*D]``.
 
-    Raises ``RuntimeError`` when called outside ``forward_context``.
+    ``sliding_window`` (tokens) and ``soft_cap`` are this layer's; None means full causal attention
+    and uncapped scores. Raises ``RuntimeError`` when called outside ``forward_context``.
     """
     ctx = _CONTEXT.get()
     if ctx is None:
         raise RuntimeError("attention() called outside a forward_context")
     return ctx.backend.forward(
-        q, k, v, ctx.kv_cache.k[layer_idx], ctx.kv_cache.v[layer_idx], ctx.metadata, scale
+        q,
+        k,
+        v,
+        ctx.kv_cache.k[layer_idx],
+        ctx.kv_cache.v[layer_idx],
+        ctx.metadata,
+        scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
 
 

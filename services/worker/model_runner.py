@@ -174,7 +174,7 @@ class ModelRunner:
         batch, sampling_chunks = self.prepare(plan)
         if all_logits:
             batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
-        metadata = self.backend.prepare(batch, self.block_size, self.model.sliding_window)
+        metadata = self.backend.prepare(batch, self.block_size)
         with forward_context(ForwardContext(self.backend, metadata, self.kv_cache)):
             hidden = self.model(batch.input_ids, batch.positions)
             logits = self.model.compute_logits(hidden[batch.logits_indices]).float()

@@ -19,9 +19,10 @@ from fuseserve.worker.models.layers import RMSNorm, Rotary, copy_into
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: Rotary):
+    def __init__(self, config, layer_idx: int, rotary: Rotary, sliding_window: int | None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
@@ -39,7 +40,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.n_kv_heads, self.head_dim)
         v = v.view(-1, self.n_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, positions)
-        return self.wo(attention(self.layer_idx, q, k, v, self.scale))
+        return self.wo(attention(self.layer_idx, q, k, v, self.scale, sliding_window=self.sliding_window))
 
 
 class FeedForward(nn.Module):
@@ -58,10 +59,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: Rotary):
+    def __init__(self, config, layer_idx: int, rotary: Rotary, sliding_window: int | None):
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = Attention(config, layer_idx, rotary)
+        self.attention = Attention(config, layer_idx, rotary, sliding_window)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
 
@@ -73,15 +74,16 @@ class Block(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer; ``forward`` over a ragged batch, ``compute_logits`` only where sampled."""
 
-    sliding_window: int | None = None
+    uses_sliding_window = False  # Mistral: every layer attends to the last ``config.sliding_window`` tokens
 
     def __init__(self, config):
         super().__init__()
         self.config = config
+        window = getattr(config, "sliding_window", None) if self.uses_sliding_window else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = Rotary(config, head_dim, config.max_position_embeddings)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(config, i, rotary, window) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = rotary

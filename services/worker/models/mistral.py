@@ -1,7 +1,7 @@
 """Mistral (Jiang et al. 2023): the LLaMA architecture with sliding-window attention.
 
 A query at position p attends to keys at positions ``> p - sliding_window`` (``transformers``'
-convention). The window is honoured by the attention backend through the forward context.
+convention). Each layer passes the window to the attention backend with its call.
 """
 
 from __future__ import annotations
@@ -10,6 +10,4 @@ from fuseserve.worker.models.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.sliding_window = getattr(config, "sliding_window", None)
+    uses_sliding_window = True

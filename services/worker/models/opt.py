@@ -61,8 +61,6 @@ class Block(nn.Module):
 class OPTForCausalLM(nn.Module):
     """OPT decoder; ``forward`` over a ragged batch, ``compute_logits`` only where sampled."""
 
-    sliding_window: int | None = None
-
     def __init__(self, config):
         super().__init__()
         self.config = config
