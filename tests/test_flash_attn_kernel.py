@@ -72,3 +72,19 @@ def test_kernel_backend_choice_on_gpu():
     assert backend.name == "triton"  # flash-attn's paged KV cannot take 16-token blocks
     if _flash_skip_reason() is None:
         assert get_backend("auto", CUDA, block_size=256, dtype=torch.bfloat16).name == "flash-attn"
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["worker", "--redis-url", "redis://x"]])
+def test_kernel_backend_flag_on_engine_commands(command):
+    """``--attention-backend`` is an engine option of generate, serve and worker, checked by argparse;
+    ``serve`` hands it to its workers."""
+    from fuseserve.cli import build_parser
+    from fuseserve.config import EngineConfig
+
+    args = build_parser().parse_args([*command, "--attention-backend", "triton"])
+    assert args.attention_backend == "triton"
+    assert build_parser().parse_args(command).attention_backend == EngineConfig().attention_backend == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--attention-backend", "xformers"])
+    with pytest.raises(InvalidParameterError, match="attention_backend"):
+        EngineConfig(attention_backend="xformers").validate()

@@ -17,14 +17,13 @@ from typing import Any
 
 import torch
 
+from fuseserve.config import ATTENTION_BACKENDS
 from fuseserve.errors import FuseServeError, InvalidParameterError
 from fuseserve.kernels import reference
 from fuseserve.worker.kv_cache import KVCache
 from fuseserve.worker.ragged_batch import RaggedBatch
 
 log = logging.getLogger(__name__)
-
-BACKEND_NAMES = ("auto", "torch", "triton", "flash-attn")
 
 
 class AttentionBackendUnavailableError(FuseServeError):
@@ -229,8 +228,8 @@ def get_backend(
     """
     from fuseserve.kernels import flash_attn
 
-    if name not in BACKEND_NAMES:
-        raise InvalidParameterError("attention_backend", name, ", ".join(BACKEND_NAMES))
+    if name not in ATTENTION_BACKENDS:
+        raise InvalidParameterError("attention_backend", name, ", ".join(ATTENTION_BACKENDS))
     if name == "torch":
         _log_choice("torch", "forced")
         return TorchAttentionBackend()
