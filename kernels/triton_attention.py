@@ -17,8 +17,12 @@ second small kernel merges them (log-sum-exp rescaling).
 Shapes follow ``fuseserve.kernels.reference``: ``q [T, H, D]``, ``k/v [T, KVH, D]``, caches
 ``[num_blocks, block_size, KVH, D]``; visibility and soft-cap semantics are the reference's.
 
-On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here
-before any kernel is defined when no GPU is visible). The interpreter cannot multiply bfloat16
+On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``). Triton
+decides this when it is first imported, and torch imports it as soon as ``transformers`` loads a
+model, so a CPU process that wants these kernels must start with ``TRITON_INTERPRET=1`` in its
+environment (the test suite's conftest sets it); this module sets it only if triton is not loaded yet
+and the variable is unset (``TRITON_INTERPRET=0`` keeps compiled kernels, e.g. to compile for a GPU
+target without one). The interpreter cannot multiply bfloat16
 operands (it keeps them as raw 16-bit integers), so there bfloat16 tiles are widened to float32
 before ``tl.dot``; compiled kernels use the tensor cores in the input dtype.
 """
@@ -31,21 +35,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") is None:
     # the interpreter is chosen when a function is decorated, triton's own library functions included
     if "triton" in sys.modules:
         raise ImportError(
-            "no CUDA device: Triton kernels can only run interpreted, but triton was imported before "
-            "TRITON_INTERPRET=1 was set; set it in the environment"
+            "no CUDA device: Triton kernels can only run interpreted, but triton was imported (by torch, "
+            "when transformers loads a model) before TRITON_INTERPRET=1 was set; start the process "
+            "with TRITON_INTERPRET=1 in its environment"
         )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-MASKED = -1.0e30  # finite "minus infinity" for the running max, so fully masked rows stay NaN-free
+# globals read inside kernels must be constexpr (compiled Triton rejects plain Python globals)
+LOG2E = tl.constexpr(1.4426950408889634)
+MASKED = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: fully masked rows stay NaN-free
 
 
 # ----------------------------------------------------------------------------------------------

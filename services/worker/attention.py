@@ -222,7 +222,8 @@ def get_backend(
 
     ``auto`` takes flash-attn when it imports, the GPU is SM80+ and ``block_size``/``dtype`` suit it;
     else Triton on CUDA; else the CPU path (the torch reference). The choice is logged once.
-    A forced ``triton`` runs on CPU too (interpreted: slow, for tests). Raises
+    A forced ``triton`` runs on CPU too, interpreted (slow, for tests): the process must start with
+    ``TRITON_INTERPRET=1``. Raises
     ``InvalidParameterError`` for an unknown name, ``AttentionBackendUnavailableError`` when a forced
     backend cannot run here.
     """
