@@ -29,6 +29,7 @@ before ``tl.dot``; compiled kernels use the tensor cores in the input dtype.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -399,13 +400,18 @@ def choose_num_splits(num_programs: int, max_context_len: int, block_n: int, dev
     """
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if num_programs >= sms:
         return 1
     tiles = triton.cdiv(max_context_len, block_n)
     by_length = tiles // MIN_TILES_PER_SPLIT
     by_grid = triton.cdiv(2 * sms, num_programs)
     return max(1, min(by_length, by_grid, MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def paged_attention(
