@@ -107,17 +107,19 @@ if [ "$MODE" = dry ]; then
   run tiny 300 "${CHECK[@]}" model "$OUT" tiny workload
   run attention 120 "${CHECK[@]}" attention "$OUT" tiny
 else
+  # time limits add up to 290 s
+  nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
   run env 20 "${CHECK[@]}" env "$OUT"
   if PYTHONPATH=$TEST_PATH "$PY" -c "import pytest" 2>/dev/null; then
-    run kernels 80 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py \
+    run kernels 75 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py \
       tests/test_flash_attn_kernel.py tests/test_reference_attention.py --junitxml="$OUT/kernel_tests.xml"
   else
     echo "== kernels: SKIPPED, pytest is not installed and benchmarks/wheels/ has no wheels (--fetch-wheels)" \
       | tee -a "$OUT/summary.txt"
   fi
-  run smollm2 40 "${CHECK[@]}" model "$OUT" smollm2
-  run attention 40 "${CHECK[@]}" attention "$OUT"
-  run llama2-7b 105 "${CHECK[@]}" model "$OUT" llama2-7b workload
+  run smollm2 50 "${CHECK[@]}" model "$OUT" smollm2
+  run attention 50 "${CHECK[@]}" attention "$OUT"
+  run llama2-7b 95 "${CHECK[@]}" model "$OUT" llama2-7b workload
 fi
 rm -rf "$GPU_CHECK_MODELS"
 echo "total $((SECONDS - START)) s; results in $OUT" | tee -a "$OUT/summary.txt"
