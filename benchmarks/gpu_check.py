@@ -266,10 +266,8 @@ def step_model(out: Path, shape: str, root: Path, workload: bool = False) -> Non
     kv_memory = "40GiB" if shape == "llama2-7b" else "2GiB" if device().type == "cuda" else "64MiB"
     budget = 256 if shape != "tiny" else 32
     here = backends_here()
-    for block_size in (
-        256,
-        16,
-    ):  # flash-attn first (256-token pages); the 16-token pipeline stays for the workload
+    # flash-attn first (it needs 256-token pages); the 16-token pipeline then serves the workload
+    for block_size in (256, 16):
         names = [n for n, why in here.items() if why is None and (n == "flash-attn") == (block_size == 256)]
         if not names:
             continue
