@@ -88,3 +88,58 @@ def test_kernel_backend_flag_on_engine_commands(command):
         build_parser().parse_args([*command, "--attention-backend", "xformers"])
     with pytest.raises(InvalidParameterError, match="attention_backend"):
         EngineConfig(attention_backend="xformers").validate()
+
+
+def documented_varlen(
+    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, softcap, block_table
+):
+    """flash-attn's ``flash_attn_varlen_func`` over a paged cache as its docstring specifies it: causal
+    masks align to the bottom right (query i of sq over sk keys sits at key i + sk - sq); a window
+    (left, right) keeps keys in ``[i + sk - sq - left, i + sk - sq + right]``; softcap c > 0 caps scores."""
+    page, out = k.shape[1], torch.empty_like(q)
+    for b in range(len(cu_q) - 1):
+        qs, sq, sk = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
+        pos = torch.arange(sk, device=q.device)
+        slots = block_table[b, pos // page].long() * page + pos % page
+        kb = k.view(-1, *k.shape[2:])[slots].repeat_interleave(q.shape[1] // k.shape[2], 1)
+        vb = v.view(-1, *v.shape[2:])[slots].repeat_interleave(q.shape[1] // k.shape[2], 1)
+        s = torch.einsum("qhd,khd->hqk", q[qs : qs + sq].float(), kb.float()) * softmax_scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        at = torch.arange(sq, device=q.device)[:, None] + sk - sq
+        keep = pos[None, :] <= at if causal else torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+        left, right = window_size
+        if left >= 0:
+            keep &= pos[None, :] >= at - left
+        if right >= 0:
+            keep &= pos[None, :] <= at + right
+        p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
+        out[qs : qs + sq] = torch.einsum("hqk,khd->qhd", p, vb.float()).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (7, None), (None, 20.0), (3, 5.0)])
+def test_flash_attn_kernel_adapter_arguments_follow_flash_attn_semantics(monkeypatch, window, cap):
+    """Runs everywhere: flash-attn replaced by its documented semantics, written out above, so the
+    adapter's plan (cu_seqlens_k, max lengths, block table) and its mapping of the window and the
+    soft-cap are checked against the reference without a GPU."""
+    import sys
+    import types
+
+    from test_triton_kernels import MIXED, make_pass, run_reference
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = lambda q, k, v, cu_q, cu_k, mq, mk, **kw: documented_varlen(
+        q, k, v, cu_q, cu_k, mq, mk, **kw
+    )
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    p = make_pass(MIXED, 16, 2, 3, 64, torch.float32, seed=6)
+    plan = flash_attn.plan_attention(
+        p["query_lens"], p["context_lens"], p["cu_seqlens_q"], p["block_tables"], p["slot_mapping"]
+    )
+    assert plan.max_seqlen_q == max(p["query_lens"]) and plan.max_seqlen_k == max(p["context_lens"])
+    k_cache, v_cache = p["k_cache"].clone(), p["v_cache"].clone()
+    k_cache.view(-1, 2, 64).index_copy_(0, plan.slot_mapping, p["k"])
+    v_cache.view(-1, 2, 64).index_copy_(0, plan.slot_mapping, p["v"])
+    got = flash_attn.paged_attention(p["q"], k_cache, v_cache, plan, 0.125, window, cap)
+    torch.testing.assert_close(got, run_reference(p, window, cap, 0.125), atol=1e-5, rtol=1e-5)
