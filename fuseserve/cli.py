@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from fuseserve.config import ATTENTION_BACKENDS
 from fuseserve.errors import FuseServeError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -38,6 +39,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16 (default: auto)")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels: flash-attn (SM80+ GPU), triton (GPU), torch (reference, the CPU path); "
+        "auto picks the first that fits this device (default: auto)",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +95,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         block_size=a.block_size,
         device=a.device,
         dtype=a.dtype,
+        attention_backend=a.attention_backend,
     )
     try:
         kwargs = _sampling_kwargs(a)

@@ -98,6 +98,10 @@ def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.d
     return table[name]
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+"""``auto``: flash-attn on SM80+ GPUs where it imports and fits, else Triton on CUDA, else the CPU path."""
+
+
 @dataclass
 class EngineConfig:
     """Knobs of one engine (pipeline) or one scheduler + its workers.
@@ -109,6 +113,7 @@ class EngineConfig:
     watermark_blocks: blocks kept free at admission (DESIGN rule 2).
     max_preemptions: preemptions allowed per sequence before it may no longer be preempted.
     policy: "splitfuse" | "prefill_first" | "whole_prompt".
+    attention_backend: one of ``ATTENTION_BACKENDS`` (the workers' attention kernels).
     """
 
     token_budget: int | None = None
@@ -120,6 +125,7 @@ class EngineConfig:
     policy: str = "splitfuse"
     device: str | None = None
     dtype: str | None = None
+    attention_backend: str = "auto"
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` for an out-of-range field."""
@@ -131,6 +137,10 @@ class EngineConfig:
             raise InvalidParameterError("block_size", self.block_size, ">= 1")
         if self.policy not in ("splitfuse", "prefill_first", "whole_prompt"):
             raise InvalidParameterError("policy", self.policy, "splitfuse, prefill_first, whole_prompt")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidParameterError(
+                "attention_backend", self.attention_backend, ", ".join(ATTENTION_BACKENDS)
+            )
         if self.watermark_blocks < 0:
             raise InvalidParameterError("watermark_blocks", self.watermark_blocks, ">= 0")
         if self.max_preemptions < 0:

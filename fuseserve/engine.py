@@ -71,6 +71,7 @@ class Pipeline:
         block_size: int = 16,
         device: str | None = None,
         dtype: str | None = None,
+        attention_backend: str = "auto",
         cache_dir: str | None = None,
         progress: bool = True,
     ):
@@ -82,6 +83,7 @@ class Pipeline:
             policy=policy,
             device=device,
             dtype=dtype,
+            attention_backend=attention_backend,
         )
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
@@ -361,7 +363,8 @@ def pipeline(
     token_budget: tokens per forward pass; None → chosen by profiling this device (cached).
     max_num_seqs: sequences per pass. kv_cache_memory: bytes or "512MiB"/"2GiB" (default: 1 GiB
     on CPU, 85% of free GPU memory on CUDA). policy: "splitfuse", "prefill_first", "whole_prompt".
-    Other keywords: block_size, device, dtype, cache_dir, progress.
+    Other keywords: block_size, device, dtype, attention_backend ("auto", "torch", "triton",
+    "flash-attn"), cache_dir, progress.
     Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
     """
     return Pipeline(

@@ -155,6 +155,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
                 worker += ["--device", args.device]
             if args.dtype:
                 worker += ["--dtype", args.dtype]
+            worker += ["--attention-backend", args.attention_backend]
             stack.spawn(f"worker-{i}", worker)
         stack.spawn(
             "gateway",

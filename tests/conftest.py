@@ -6,6 +6,11 @@ import os
 import pathlib
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run interpreted without a GPU; the choice is made when triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,9 +17,18 @@ from typing import Any
 
 import torch
 
+from fuseserve.config import ATTENTION_BACKENDS
+from fuseserve.errors import FuseServeError, InvalidParameterError
 from fuseserve.kernels import reference
 from fuseserve.worker.kv_cache import KVCache
 from fuseserve.worker.ragged_batch import RaggedBatch
+
+log = logging.getLogger(__name__)
+
+
+class AttentionBackendUnavailableError(FuseServeError):
+    """A forced attention backend cannot run here (package missing, no GPU, unsupported block size
+    or dtype); the message says why."""
 
 
 class AttentionBackend(ABC):
@@ -124,8 +134,128 @@ def attention(
     )
 
 
-def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
-    """Backend by name: ``torch`` (reference), ``auto`` (the best available for ``device``)."""
-    if name in ("auto", "torch"):
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged ragged attention (``fuseserve.kernels.triton_attention``): one launch per layer for
+    the whole pass, and a Triton KV-cache write. Compiled on CUDA; interpreted on CPU (tests only).
+
+    ``num_splits``: split-KV parts for every launch (None: chosen per launch from grid size and the
+    longest context).
+    """
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None):
+        from fuseserve.kernels import triton_attention
+
+        self._kernels = triton_attention
+        self.num_splits = num_splits
+
+    def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
+        return self._kernels.plan_attention(
+            batch.query_lens,
+            batch.context_lens,
+            batch.cu_seqlens_q,
+            batch.seq_lens,
+            batch.block_tables,
+            batch.slot_mapping,
+            block_size,
+            self.num_splits,
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
+        self._kernels.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        out = self._kernels.paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
+        return out.flatten(1)
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash-attn 2 varlen attention with a block table (``fuseserve.kernels.flash_attn``): SM80+,
+    fp16/bf16, block sizes that are multiples of 256. K/V are written by the Triton write kernel."""
+
+    name = "flash-attn"
+
+    def __init__(self):
+        from fuseserve.kernels import flash_attn, triton_attention
+
+        self._flash = flash_attn
+        self._write_kv = triton_attention.write_kv
+
+    def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
+        return self._flash.plan_attention(
+            batch.query_lens, batch.context_lens, batch.cu_seqlens_q, batch.block_tables, batch.slot_mapping
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
+        self._write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        out = self._flash.paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
+        return out.flatten(1)
+
+
+def triton_unavailable_reason(device: torch.device | None) -> str | None:
+    """None when the Triton backend can run on ``device``, else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton does not import ({e})"
+    if device is None or device.type != "cuda":
+        return "Triton kernels compile for CUDA only (on CPU they run interpreted, for tests)"
+    return None
+
+
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def _log_choice(name: str, why: str) -> None:
+    if (name, why) not in _LOGGED:
+        _LOGGED.add((name, why))
+        log.info("attention backend: %s (%s)", name, why)
+
+
+def get_backend(
+    name: str = "auto",
+    device: torch.device | None = None,
+    *,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """Attention backend by name: ``torch`` (reference), ``triton``, ``flash-attn`` or ``auto``.
+
+    ``auto`` takes flash-attn when it imports, the GPU is SM80+ and ``block_size``/``dtype`` suit it;
+    else Triton on CUDA; else the CPU path (the torch reference). The choice is logged once.
+    A forced ``triton`` runs on CPU too, interpreted (slow, for tests): the process must start with
+    ``TRITON_INTERPRET=1``. Raises
+    ``InvalidParameterError`` for an unknown name, ``AttentionBackendUnavailableError`` when a forced
+    backend cannot run here.
+    """
+    from fuseserve.kernels import flash_attn
+
+    if name not in ATTENTION_BACKENDS:
+        raise InvalidParameterError("attention_backend", name, ", ".join(ATTENTION_BACKENDS))
+    if name == "torch":
+        _log_choice("torch", "forced")
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "flash-attn":
+        reason = flash_attn.unsupported_reason(device, block_size, dtype)
+        if reason:
+            raise AttentionBackendUnavailableError(f"attention backend flash-attn: {reason}")
+        _log_choice("flash-attn", "forced")
+        return FlashAttnBackend()
+    if name == "triton":
+        try:
+            backend = TritonAttentionBackend()
+        except ImportError as e:
+            raise AttentionBackendUnavailableError(f"attention backend triton: {e}") from e
+        _log_choice(
+            "triton", "forced" if device is not None and device.type == "cuda" else "forced, interpreted"
+        )
+        return backend
+    flash_reason = flash_attn.unsupported_reason(device, block_size, dtype)
+    if flash_reason is None:
+        _log_choice("flash-attn", "auto")
+        return FlashAttnBackend()
+    triton_reason = triton_unavailable_reason(device)
+    if triton_reason is None:
+        _log_choice("triton", f"auto; not flash-attn: {flash_reason}")
+        return TritonAttentionBackend()
+    _log_choice("torch", f"auto; not flash-attn: {flash_reason}; not triton: {triton_reason}")
+    return TorchAttentionBackend()

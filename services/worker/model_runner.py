@@ -82,8 +82,10 @@ class ModelRunner:
         self.dtype = parse_dtype(self.config.dtype, self.device)
         self.hf_config = hf_config
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
-        self.backend = backend or get_backend("auto", self.device)
         self.block_size = self.config.block_size
+        self.backend = backend or get_backend(
+            self.config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
+        )
         layers = hf_config.num_hidden_layers
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

@@ -117,7 +117,11 @@ def run_worker(args: argparse.Namespace) -> int:
     worker_id = getattr(args, "worker_id", None) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     source = resolve_model(args.model)
     config = EngineConfig(
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
     )
     runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
     budget = args.token_budget or choose_token_budget(runner, str(source.path))
