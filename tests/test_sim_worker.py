@@ -3,6 +3,7 @@ of a model, served by the real gRPC worker (``fuseserve worker --simulate PRESET
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -187,3 +188,57 @@ def test_simulated_worker_process_registers_serves_and_exports_metrics():
         finally:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+def test_serve_builds_simulated_worker_command_lines():
+    from fuseserve.launcher import serve_args, slowdown_of, worker_argv
+
+    args = serve_args(workers=3, simulate="cpu-smollm2", simulate_slowdown="1,3")
+    lines = [worker_argv(args, "redis://x", i) for i in range(3)]
+    assert [line[line.index("--simulate-slowdown") + 1] for line in lines] == ["1.0", "3.0", "1.0"]
+    assert all("--simulate" in line and "--threads" not in line for line in lines)
+    assert all(line[line.index("--metrics-port") + 1] == "0" for line in lines)
+    real = worker_argv(serve_args(workers=2), "redis://x", 0)
+    assert "--simulate" not in real and real[real.index("--threads") + 1] == str(
+        max(1, (os.cpu_count() or 1) // 2)
+    )
+    for bad in ("0", "x", "1,-2"):
+        with pytest.raises(InvalidParameterError):
+            slowdown_of(serve_args(simulate_slowdown=bad), 1)
+
+
+def test_scale_out_report_and_plot(tmp_path):
+    from benchmarks.plots import plot_scale_out
+    from benchmarks.scale_out import efficiency, report
+
+    def rec(label, n, tps, slowdowns=None, tokens=None):
+        busy = [0.9] * n
+        cores = {"scheduler": 0.1, "gateway": 0.1, "redis": 0.0, "workers": 0.1, "client": 0.0}
+        return {
+            "label": label,
+            "workers": n,
+            "clients": 8 * n,
+            "gen_tokens_per_s": tps,
+            "client_tokens_per_s": tps,
+            "busy_min": 0.9,
+            "busy_mean": 0.9,
+            "worker_busy": busy,
+            "worker_tokens": tokens or [1.0] * n,
+            "slowdowns": slowdowns or [1.0] * n,
+            "sched_cpu_ms_per_step_p50": 0.5,
+            "sched_cpu_ms_per_step_p99": 0.9,
+            "sched_cpu_ms_per_step_mean": 0.6,
+            "cpu_cores": cores,
+        }
+
+    records = [
+        rec("scale", 1, 100.0),
+        rec("scale", 4, 360.0),
+        rec("hetero", 2, 50.0, [1.0, 3.0], [300.0, 100.0]),
+    ]
+    efficiency(records)
+    assert records[1]["efficiency"] == pytest.approx(0.9) and "efficiency" not in records[2]
+    lines = report(records)
+    assert records[2]["fast_slow_token_ratio"] == pytest.approx(3.0)
+    assert "tokens fast/slow = 3.00" in lines[-1]
+    assert plot_scale_out(records, tmp_path / "s.png").stat().st_size > 1000
