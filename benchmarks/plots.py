@@ -145,7 +145,22 @@ def plot_scale_out(records: Sequence[Record], path: str | Path) -> Path:
     ax.axhline(0.9, color="k", ls=":", lw=1)
     ax.set_ylim(0, 1.05)
     ax.set_title("efficiency and busy fraction")
-    ax.legend()
+    ax.legend(loc="lower left")
+    for r in records:
+        if r.get("label") == "hetero" and r.get("fast_slow_token_ratio") is not None:
+            order = sorted(range(len(r["slowdowns"])), key=lambda i: r["slowdowns"][i])
+            busy = "/".join(f"{r['worker_busy'][i]:.0%}" for i in order)
+            factors = ":".join(f"{r['slowdowns'][i]:g}" for i in order)
+            ax.text(
+                0.98,
+                0.98,
+                f"heterogeneous, slowdowns {factors}: busy {busy},\n"
+                f"tokens fast/slow {r['fast_slow_token_ratio']:.2f}",
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize=8,
+            )
     ax = axes[2]
     ax.plot(ns, [_num(r["sched_cpu_ms_per_step_p50"]) for r in scale], "o-", label="p50 (1-s intervals)")
     ax.plot(ns, [_num(r["sched_cpu_ms_per_step_p99"]) for r in scale], "s-", label="p99 (1-s intervals)")

@@ -177,7 +177,10 @@ class Bench:
         raise RuntimeError(f"workers {ids} did not all join the scheduler")
 
     def set_workers(self, slowdowns: list[float]) -> None:
-        """Stop the current workers and start ``len(slowdowns)`` new ones with these slowdowns."""
+        """Stop the current workers and start ``len(slowdowns)`` new ones with these slowdowns
+        (nothing to do when the current ones already have them)."""
+        if [w.slowdown for w in self.workers] == slowdowns:
+            return
         for w in self.workers:
             proc = next(p for n, p in self.stack.procs if n == w.worker_id)
             proc.terminate()
