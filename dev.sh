@@ -4,6 +4,7 @@
 #   ./dev.sh generate "prompt" [options]          one generation in process (pipeline mode)
 #   ./dev.sh test [pytest options]                the test suite (CPU, starts its own redis-server)
 #   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
+#   ./dev.sh scale [scale_out options]            scale-out on simulated workers, quick mode (< 3 min)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${VENV:-.venv}"
@@ -41,5 +42,6 @@ case "$cmd" in
   generate) setup; exec "$VENV/bin/fuseserve" generate "$@" ;;
   test)     setup; optional_tools; exec "$PY" -m pytest -q "$@" ;;
   bench)    setup; exec "$PY" -m benchmarks.run_bench --quick "$@" ;;
-  *) sed -n '2,7p' "$0"; exit 2 ;;
+  scale)    setup; exec "$PY" -m benchmarks.scale_out --quick "$@" ;;
+  *) sed -n '2,8p' "$0"; exit 2 ;;
 esac

@@ -120,3 +120,58 @@ def plot_token_latency(results: Sequence[Record], path: str | Path) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_scale_out(records: Sequence[Record], path: str | Path) -> Path:
+    """``benchmarks.scale_out`` records: tokens/s with the ideal line, efficiency and busy fraction,
+    and scheduler CPU per worker-step (p50 / p99), against the number of simulated workers."""
+    scale = sorted((r for r in records if r.get("label") == "scale"), key=lambda r: r["workers"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    if not scale:
+        return _save(fig, path)
+    ns = [int(r["workers"]) for r in scale]
+    tput = [_num(r["gen_tokens_per_s"]) for r in scale]
+    one = next((t for n, t in zip(ns, tput, strict=True) if n == 1), float("nan"))
+    ax = axes[0]
+    ax.plot(ns, tput, "o-", label="measured")
+    ax.plot(ns, [n * one for n in ns], "k--", lw=1, label="ideal (N x one worker)")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("throughput")
+    ax.legend()
+    ax = axes[1]
+    ax.plot(ns, [_num(r.get("efficiency")) for r in scale], "o-", label="scaling efficiency")
+    ax.plot(ns, [_num(r["busy_mean"]) for r in scale], "s-", label="worker busy, mean")
+    ax.plot(ns, [_num(r["busy_min"]) for r in scale], "v-", label="worker busy, min")
+    ax.axhline(0.9, color="k", ls=":", lw=1)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("efficiency and busy fraction")
+    ax.legend(loc="lower left")
+    for r in records:
+        if r.get("label") == "hetero" and r.get("fast_slow_token_ratio") is not None:
+            order = sorted(range(len(r["slowdowns"])), key=lambda i: r["slowdowns"][i])
+            busy = "/".join(f"{r['worker_busy'][i]:.0%}" for i in order)
+            factors = ":".join(f"{r['slowdowns'][i]:g}" for i in order)
+            ax.text(
+                0.98,
+                0.98,
+                f"heterogeneous, slowdowns {factors}: busy {busy},\n"
+                f"tokens fast/slow {r['fast_slow_token_ratio']:.2f}",
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize=8,
+            )
+    ax = axes[2]
+    ax.plot(ns, [_num(r["sched_cpu_ms_per_step_p50"]) for r in scale], "o-", label="p50 (1-s intervals)")
+    ax.plot(ns, [_num(r["sched_cpu_ms_per_step_p99"]) for r in scale], "s-", label="p99 (1-s intervals)")
+    ax.axhline(0.3, color="k", ls=":", lw=1, label="target 0.3 ms")
+    ax.set_ylabel("scheduler CPU ms per worker-step")
+    ax.set_title("scheduler cost")
+    ax.legend()
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.minorticks_off()
+        ax.set_xlabel("simulated workers")
+        ax.grid(alpha=0.3)
+    return _save(fig, path)

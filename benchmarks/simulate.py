@@ -8,17 +8,9 @@ paper's workload shape: prompt/output means 2600/60 and 1200/128, standard devia
 `benchmarks.metrics.summarize` with the paper's unscaled service level (the modelled GPU is the
 paper's).
 
-Latency model (per forward pass; a roofline, stated inputs, nothing fitted to the paper's results):
-
-    t = max(memory_s, compute_s)
-    memory_s  = (weight_bytes + kv_bytes_per_token x kv_tokens_read) / bandwidth
-    compute_s = overhead_s + (flops_per_token x num_tokens + attn_flops_per_pair x attn_pairs)
-                / (peak_flops x mfu)
-
-``kv_tokens_read`` is the sum over the pass's sequences of their context (start_pos + num_tokens);
-``attn_pairs`` is the number of (query, key) pairs, sum of ``n x (start_pos + (n + 1) / 2)``. With
-no context the curve is ``max(t_min, a + b n)``: flat (weights-bound) up to the knee, then
-compute-bound, so throughput ``n / t(n)`` is concave in the pass size (paper §3.1).
+The latency model (a roofline per forward pass, stated inputs, nothing fitted to the paper's
+results) and its presets live in ``fuseserve.worker.latency_model``, which simulated gRPC workers
+(``fuseserve worker --simulate PRESET``) use too: one implementation.
 
 Run: ``python -m benchmarks.simulate`` (A100 + A6000 presets, both workload shapes).
 """
@@ -39,97 +31,7 @@ from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.scheduler import Scheduler
 from fuseserve.scheduler.sequence import Sequence
 from fuseserve.types import SampledToken, StepPlan, StepResult
-
-LLAMA2_7B_PARAMS = 6.74e9  # matmul parameters of Llama-2 7B (embeddings included in the LM head)
-LLAMA2_7B_LAYERS = 32
-LLAMA2_7B_HIDDEN = 4096
-
-
-@dataclass(frozen=True)
-class LatencyModel:
-    """Forward-pass latency (seconds) of one ragged pass on a modelled device.
-
-    weight_bytes: bytes streamed per pass for the weights (fp16: 2 x params).
-    bandwidth: memory bandwidth (bytes/s).
-    flops_per_token: matmul FLOPs per token (2 x params).
-    attn_flops_per_pair: attention FLOPs per (query, key) pair (4 x layers x hidden).
-    kv_bytes_per_token: KV-cache bytes read per cached token (2 x layers x hidden x 2 bytes; MHA).
-    peak_flops: dense fp16/bf16 tensor FLOP/s. mfu: achieved fraction of it in compute-bound passes.
-    overhead_s: fixed per-pass cost (launches, scheduling, sampling), seconds.
-    """
-
-    name: str
-    weight_bytes: float
-    bandwidth: float
-    flops_per_token: float
-    attn_flops_per_pair: float
-    kv_bytes_per_token: float
-    peak_flops: float
-    mfu: float
-    overhead_s: float
-    kv_capacity_tokens: int
-
-    def pass_seconds(self, num_tokens: int, kv_tokens: float = 0.0, attn_pairs: float = 0.0) -> float:
-        """Seconds for a pass of ``num_tokens`` tokens reading ``kv_tokens`` cached tokens in total."""
-        memory = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.bandwidth
-        compute = self.overhead_s + (
-            self.flops_per_token * num_tokens + self.attn_flops_per_pair * attn_pairs
-        ) / (self.peak_flops * self.mfu)
-        return max(memory, compute)
-
-    def latency(self, num_tokens: int, context: int = 0) -> float:
-        """Seconds for a pass of ``num_tokens`` tokens of one sequence whose KV holds ``context`` tokens."""
-        pairs = num_tokens * (context + (num_tokens + 1) / 2)
-        return self.pass_seconds(num_tokens, context + num_tokens, pairs)
-
-    def plan_seconds(self, plan: StepPlan) -> float:
-        """Seconds for a step plan (sums context and attention pairs over its chunks)."""
-        kv = sum(c.start_pos + c.num_tokens for c in plan.chunks)
-        pairs = sum(c.num_tokens * (c.start_pos + (c.num_tokens + 1) / 2) for c in plan.chunks)
-        return self.pass_seconds(plan.num_tokens, kv, pairs)
-
-    def knee(self, fraction: float = 0.9, max_tokens: int = 4096) -> int:
-        """Smallest pass size (multiple of 16) whose throughput reaches ``fraction`` of the best (rule 4)."""
-        sizes = list(range(16, max_tokens + 1, 16))
-        tput = [n / self.latency(n) for n in sizes]
-        best = max(tput)
-        return next(n for n, t in zip(sizes, tput, strict=True) if t >= fraction * best)
-
-
-def llama2_7b_on(
-    name: str,
-    bandwidth: float,
-    peak_flops: float,
-    memory_bytes: float,
-    mfu: float = 0.5,
-    overhead_s: float = 3e-3,
-) -> LatencyModel:
-    """Llama-2 7B (fp16, MHA) on a GPU of the given bandwidth (B/s), dense peak (FLOP/s), memory (B).
-
-    KV capacity: 90% of memory minus the weights, at 2 x 32 layers x 4096 x 2 bytes per token.
-    """
-    weight_bytes = 2.0 * LLAMA2_7B_PARAMS
-    kv_per_token = 2.0 * LLAMA2_7B_LAYERS * LLAMA2_7B_HIDDEN * 2
-    return LatencyModel(
-        name=name,
-        weight_bytes=weight_bytes,
-        bandwidth=bandwidth,
-        flops_per_token=2.0 * LLAMA2_7B_PARAMS,
-        attn_flops_per_pair=4.0 * LLAMA2_7B_LAYERS * LLAMA2_7B_HIDDEN,
-        kv_bytes_per_token=kv_per_token,
-        peak_flops=peak_flops,
-        mfu=mfu,
-        overhead_s=overhead_s,
-        kv_capacity_tokens=int((0.9 * memory_bytes - weight_bytes) / kv_per_token),
-    )
-
-
-PRESETS = {
-    # A100 80GB SXM: 2.0 TB/s nominal, 1.5 TB/s achievable streaming; 312 TFLOP/s bf16 dense.
-    "a100-llama2-7b": llama2_7b_on("A100-80GB / Llama-2-7B", 1.5e12, 312e12, 80e9),
-    # RTX A6000 48GB: 768 GB/s nominal (~0.65 TB/s achievable); 155 TFLOP/s fp16 dense tensor.
-    "a6000-llama2-7b": llama2_7b_on("A6000-48GB / Llama-2-7B", 0.65e12, 155e12, 48e9),
-}
+from fuseserve.worker.latency_model import PRESETS, LatencyModel
 
 WORKLOADS = {"2600/60": (2600, 60), "1200/128": (1200, 128)}
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from fuseserve.errors import InvalidParameterError
+
+if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: a simulated worker never does
+    import torch
 
 _UNITS = {
     "": 1,
@@ -46,6 +48,8 @@ def parse_memory(value: int | float | str) -> int:
 
 def default_device() -> torch.device:
     """CUDA when a GPU is visible, else CPU."""
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -54,6 +58,8 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
 
     Raises ``InvalidParameterError("device", ...)`` for an unknown name or a GPU that is not visible.
     """
+    import torch
+
     if name is None:
         return default_device()
     try:
@@ -74,6 +80,8 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU; bf16 on CUDA (fp16 where the GPU lacks bf16)."""
+    import torch
+
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
@@ -81,6 +89,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """``"auto"``/None → ``default_dtype``; else ``float32``/``fp32``/``bfloat16``/``bf16``/``float16``/``fp16``."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     if name in (None, "auto"):

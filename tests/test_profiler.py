@@ -33,24 +33,9 @@ def test_choose_token_budget_measures_once_then_reads_the_cache(tmp_path, monkey
 
 
 def test_measure_curve_runs_real_passes_and_frees_its_blocks(tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from tiny_runner import tiny_llama_runner
 
-    from fuseserve.config import EngineConfig
-    from fuseserve.worker.model_runner import ModelRunner
-
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=256,
-        architectures=["LlamaForCausalLM"],
-    )
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    runner = ModelRunner(
-        tmp_path, cfg, [0], EngineConfig(kv_cache_memory="1MiB", device="cpu"), progress=False
-    )
+    runner = tiny_llama_runner(tmp_path, kv_cache_memory="1MiB")
     curve = profiler.measure_curve(runner, sizes=(8, 32), repeats=1)
     assert set(curve) == {8, 32} and all(s > 0 for s in curve.values())
     assert runner.num_free_blocks == runner.info.num_blocks and not runner.seqs

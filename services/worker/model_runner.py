@@ -9,51 +9,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
-from fuseserve.errors import KVCacheTooSmallError, SchedulerError
+from fuseserve.errors import KVCacheTooSmallError
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
-from fuseserve.worker.kv_cache import BlockAllocator, BlockTables, KVCache, bytes_per_block
+from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
 from fuseserve.worker.ragged_batch import RaggedBatch
+from fuseserve.worker.runner import WorkerInfo
 from fuseserve.worker.sampler import Sampler, SeqSamplingState
+from fuseserve.worker.seq_table import SeqTable, WorkerSeq
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30  # 1 GiB
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after the weights load
-
-
-@dataclass
-class WorkerSeq:
-    """What the worker keeps for one sequence.
-
-    num_computed: tokens whose K/V are in the cache.
-    last_token: token sampled last (the input of the next decode entry), None before the first sample.
-    sampling: penalties' token history, seeded generator, parameters.
-    """
-
-    num_computed: int
-    last_token: int | None
-    sampling: SeqSamplingState
-    prompt_len: int
-
-
-@dataclass
-class WorkerInfo:
-    """Capacity a worker reports to its scheduler."""
-
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    device: str
-    dtype: str
 
 
 class ModelRunner:
@@ -100,8 +73,12 @@ class ModelRunner:
         self.kv_cache = KVCache(
             layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device
         )
-        self.allocator = BlockAllocator(num_blocks)
-        self.block_tables = BlockTables(self.allocator, self.block_size)
+        self.seq_table = SeqTable(
+            num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
+        )
+        self.allocator = self.seq_table.allocator
+        self.block_tables = self.seq_table.block_tables
+        self.seqs: dict[int, WorkerSeq] = self.seq_table.seqs
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler(eos_token_ids, self.vocab_size)
         self.info = WorkerInfo(
@@ -113,7 +90,6 @@ class ModelRunner:
             str(self.device),
             str(self.dtype).split(".")[-1],
         )
-        self.seqs: dict[int, WorkerSeq] = {}
         log.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB) on %s %s",
             num_blocks,
@@ -133,14 +109,12 @@ class ModelRunner:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free_blocks
+        return self.seq_table.num_free_blocks
 
     # ----- lifecycle -----
     def free(self, seq_ids: list[int]) -> None:
         """Drop sequences and return their blocks (unknown ids are ignored)."""
-        for sid in seq_ids:
-            self.seqs.pop(sid, None)
-            self.block_tables.free(sid)
+        self.seq_table.free(seq_ids)
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run one plan: free, prepare, run, sample, postprocess. Returns the sampled tokens in plan order."""
@@ -152,9 +126,8 @@ class ModelRunner:
             out = self.sampler(logits, states)
             ids = out.token_ids.tolist()
             for i, c in enumerate(sampling_chunks):
-                seq = self.seqs[c.seq_id]
-                seq.last_token = ids[i]
-                seq.sampling.output_token_ids.append(ids[i])
+                self.seq_table.sampled(c.seq_id, ids[i])
+                self.seqs[c.seq_id].sampling.output_token_ids.append(ids[i])
                 tops = out.top_logprobs[i] if out.top_logprobs else []
                 tokens.append(
                     SampledToken(
@@ -180,15 +153,14 @@ class ModelRunner:
         with forward_context(ForwardContext(self.backend, metadata, self.kv_cache)):
             hidden = self.model(batch.input_ids, batch.positions)
             logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
-        for c in plan.chunks:
-            self.seqs[c.seq_id].num_computed = c.start_pos + c.num_tokens
+        self.seq_table.computed(plan.chunks)
         return logits, sampling_chunks
 
     def prepare(self, plan: StepPlan) -> tuple[RaggedBatch, list[SeqChunk]]:
         """Build the flattened ragged batch; allocates blocks as chunks need them.
 
-        Raises ``SchedulerError`` for an inconsistent plan (unknown sequence, wrong start_pos, missing
-        tokens) and ``KVCacheFullError`` when blocks run out (the scheduler's accounting prevents it).
+        Raises what ``SeqTable.admit`` raises: ``SchedulerError`` for an inconsistent plan,
+        ``KVCacheFullError`` when blocks run out (the scheduler's accounting prevents both).
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -196,13 +168,9 @@ class ModelRunner:
         query_lens, context_lens, tables, logits_idx, sampling_chunks = [], [], [], [], []
         bs = self.block_size
         for c in plan.chunks:
-            seq = self._seq_for(c)
-            tokens = c.token_ids if c.token_ids else self._decode_input(c, seq)
-            if len(tokens) != c.num_tokens:
-                raise SchedulerError(f"seq {c.seq_id}: {len(tokens)} token ids for num_tokens={c.num_tokens}")
+            seq, tokens, table = self.seq_table.admit(c)
             self._record_tokens(seq, c.start_pos, tokens)
             end = c.start_pos + c.num_tokens
-            table = self.block_tables.ensure(c.seq_id, end)
             input_ids.extend(tokens)
             positions.extend(range(c.start_pos, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start_pos, end))
@@ -232,28 +200,6 @@ class ModelRunner:
             context_lens=context_lens,
         )
         return batch, sampling_chunks
-
-    def _seq_for(self, c: SeqChunk) -> WorkerSeq:
-        seq = self.seqs.get(c.seq_id)
-        if c.start_pos == 0 and c.params is not None:
-            if seq is not None:  # a recompute restarts the sequence from scratch
-                self.free([c.seq_id])
-            seq = WorkerSeq(0, None, SeqSamplingState.create(c.params, [], self.device), c.prompt_len)
-            self.seqs[c.seq_id] = seq
-        if seq is None:
-            raise SchedulerError(f"seq {c.seq_id}: first chunk must have start_pos=0 and sampling params")
-        if c.start_pos != seq.num_computed:
-            raise SchedulerError(
-                f"seq {c.seq_id}: chunk starts at {c.start_pos}, worker holds {seq.num_computed}"
-            )
-        return seq
-
-    def _decode_input(self, c: SeqChunk, seq: WorkerSeq) -> list[int]:
-        if seq.last_token is None or c.num_tokens != 1:
-            raise SchedulerError(
-                f"seq {c.seq_id}: decode entry without a sampled token (num_tokens={c.num_tokens})"
-            )
-        return [seq.last_token]
 
     @staticmethod
     def _record_tokens(seq: WorkerSeq, start_pos: int, tokens: list[int]) -> None:

@@ -1,9 +1,13 @@
-"""The worker service: the model runner behind gRPC, registered in Redis with a heartbeat.
+"""The worker service: a runner behind gRPC, registered in Redis with a heartbeat.
 
 ``fuseserve worker --redis-url URL --model M --host H --port P [--advertise-host NAME]`` loads the
 model, sizes its KV cache, chooses its token budget (profiling, cached), serves
 ``fuseserve.worker.v1.Worker`` and keeps ``fuseserve:worker:<id>`` alive in Redis (TTL
 ``WORKER_TTL_S``, refreshed every ``HEARTBEAT_S``) so schedulers discover it as it comes and goes.
+
+``--simulate PRESET [--simulate-slowdown F]`` serves the same server with a ``SimulatedRunner``
+(``sim_runner.py``): no model, no torch; the token budget defaults to the preset's knee and the KV
+blocks to its capacity (or ``--kv-cache-memory`` at the preset's bytes per token).
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from concurrent import futures
 import grpc
 
 from fuseserve import messages
-from fuseserve.config import EngineConfig
-from fuseserve.model_source import resolve_model
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    """gRPC face of a ``ModelRunner``; steps run one at a time (the runner is not re-entrant)."""
+    """gRPC face of a runner (``runner.Runner``); steps run one at a time (runners are not re-entrant)."""
 
     def __init__(self, runner, worker_id: str, model_name: str, metrics=None):
         self.runner = runner
@@ -62,7 +64,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
             free = self.runner.num_free_blocks
         if self.metrics is not None:
-            self.metrics.observe_step(plan.num_tokens, result.forward_seconds, free)
+            self.metrics.observe_step(plan.num_tokens, len(result.tokens), result.forward_seconds, free)
         return convert.step_result_to_proto(result, free)
 
     def Free(self, request, context):
@@ -78,10 +80,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 
 class WorkerMetrics:
-    """Prometheus metrics of one worker (served on ``--metrics-port``)."""
+    """Prometheus metrics of one worker (served on ``--metrics-port``; 0 picks a free port, ``port``).
+
+    Busy fraction over a window = increase of ``fuseserve_step_seconds_sum`` (seconds in steps) ÷
+    the window's wall seconds; ``fuseserve_step_seconds_count`` counts steps and
+    ``fuseserve_sampled_tokens_total`` the tokens this worker generated.
+    """
 
     def __init__(self, worker_id: str, port: int):
-        from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
         self.free_blocks = Gauge(
@@ -96,25 +103,30 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             "fuseserve_step_seconds", "seconds per step on the worker", registry=self.registry
         )
-        start_http_server(port, registry=self.registry)
+        self.sampled_tokens = Counter(
+            "fuseserve_sampled_tokens", "tokens sampled (generated) by this worker", registry=self.registry
+        )
+        server, _ = start_http_server(port, registry=self.registry)
+        self.port: int = server.server_port
 
-    def observe_step(self, tokens: int, seconds: float, free_blocks: int) -> None:
+    def observe_step(self, tokens: int, sampled: int, seconds: float, free_blocks: int) -> None:
         self.step_tokens.observe(tokens)
+        self.sampled_tokens.inc(sampled)
         self.step_seconds.observe(seconds)
         self.free_blocks.set(free_blocks)
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve worker``: serve until SIGTERM / SIGINT."""
-    import redis
+def model_runner(args: argparse.Namespace):
+    """The real runner for ``args``: ``(runner, served model name, token budget)``."""
     import torch
 
+    from fuseserve.config import EngineConfig
+    from fuseserve.model_source import resolve_model
     from fuseserve.worker.model_runner import ModelRunner
     from fuseserve.worker.profiler import choose_token_budget
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    worker_id = getattr(args, "worker_id", None) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     source = resolve_model(args.model)
     config = EngineConfig(
         block_size=args.block_size,
@@ -125,10 +137,43 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
     budget = args.token_budget or choose_token_budget(runner, str(source.path))
-    metrics = WorkerMetrics(worker_id, args.metrics_port) if getattr(args, "metrics_port", None) else None
+    return runner, source.name, budget
+
+
+def simulated_runner(args: argparse.Namespace):
+    """The ``--simulate PRESET`` runner: ``(runner, served model name, token budget)``; no torch.
+
+    The model name is ``--model`` as given (the gateway serves that model's tokenizer). Raises
+    ``InvalidParameterError`` for an unknown preset or a slowdown that is not > 0.
+    """
+    from fuseserve.config import parse_memory
+    from fuseserve.errors import InvalidParameterError
+    from fuseserve.worker.latency_model import get_preset
+    from fuseserve.worker.sim_runner import SimulatedRunner
+
+    model = get_preset(args.simulate)
+    slowdown = float(getattr(args, "simulate_slowdown", None) or 1.0)
+    if not slowdown > 0:
+        raise InvalidParameterError("simulate_slowdown", slowdown, "> 0")
+    num_blocks = None
+    if args.kv_cache_memory:
+        num_blocks = int(parse_memory(args.kv_cache_memory) // (model.kv_bytes_per_token * args.block_size))
+    runner = SimulatedRunner(model, args.block_size, num_blocks, slowdown)
+    return runner, str(args.model), args.token_budget or model.knee()
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Entry point of ``fuseserve worker``: serve until SIGTERM / SIGINT."""
+    import redis
+
+    worker_id = getattr(args, "worker_id", None) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    simulate = getattr(args, "simulate", None)
+    runner, model_name, budget = simulated_runner(args) if simulate else model_runner(args)
+    metrics_port = getattr(args, "metrics_port", None)
+    metrics = WorkerMetrics(worker_id, metrics_port) if metrics_port is not None else None
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=convert.GRPC_OPTIONS)
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, worker_id, source.name, metrics), server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, worker_id, model_name, metrics), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     server.start()
     address = f"{getattr(args, 'advertise_host', None) or args.host}:{port}"
@@ -136,14 +181,14 @@ def run_worker(args: argparse.Namespace) -> int:
     record = messages.WorkerRecord(
         worker_id,
         address,
-        source.name,
+        model_name,
         info.block_size,
         info.num_blocks,
         info.max_model_len,
         info.vocab_size,
         info.eos_token_ids,
         budget,
-        getattr(args, "metrics_port", None),
+        metrics.port if metrics is not None else None,
     )
     r = redis.Redis.from_url(args.redis_url)
     stop = threading.Event()
@@ -158,12 +203,13 @@ def run_worker(args: argparse.Namespace) -> int:
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
     log.info(
-        "worker %s serving %s at %s (%d KV blocks, token budget %d)",
+        "worker %s serving %s at %s (%d KV blocks, token budget %d%s)",
         worker_id,
-        source.name,
+        model_name,
         address,
         info.num_blocks,
         budget,
+        f", simulated {simulate} x{runner.slowdown:g}" if simulate else "",
     )
     print(f"fuseserve worker {worker_id} ready at {address}", flush=True)
 
