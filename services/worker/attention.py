@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,9 +18,11 @@ from typing import Any
 
 import torch
 
-from fuseserve.kernels import reference
+from fuseserve.kernels import cpu_attention, reference
 from fuseserve.worker.kv_cache import KVCache
 from fuseserve.worker.ragged_batch import RaggedBatch
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(ABC):
@@ -67,6 +71,30 @@ class TorchAttentionBackend(AttentionBackend):
         reference.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = reference.paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
         return out.flatten(1)
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """C++ paged ragged attention for CPUs (``fuseserve.kernels.cpu_attention``): one call per layer
+    serves the whole pass, reading K/V from the cache blocks in place. Raises
+    ``CpuKernelUnavailable`` at construction when the operator cannot be built here."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        cpu_attention.load()
+
+    def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
+        return cpu_attention.plan(batch)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
+        return cpu_attention.write_and_attend(
+            q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap
+        )
+
+
+@functools.cache
+def _cpu_fallback_warning(reason: str) -> None:
+    log.warning("CPU attention operator unavailable, using the PyTorch reference: %s", reason)
 
 
 @dataclass
@@ -125,7 +153,20 @@ def attention(
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
-    """Backend by name: ``torch`` (reference), ``auto`` (the best available for ``device``)."""
-    if name in ("auto", "torch"):
+    """Backend by name: ``torch`` (reference), ``cpu`` (C++ operator), ``auto`` (the best for ``device``).
+
+    ``auto`` on a CPU device is ``cpu`` when its operator builds, else ``torch`` (warned once).
+    Raises ``ValueError`` for an unknown name and ``CpuKernelUnavailable`` for ``cpu`` without a build.
+    """
+    if name == "torch":
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "cpu":
+        return CpuAttentionBackend()
+    if name == "auto":
+        if device is None or torch.device(device).type == "cpu":
+            try:
+                return CpuAttentionBackend()
+            except cpu_attention.CpuKernelUnavailable as e:
+                _cpu_fallback_warning(str(e))
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch, cpu")
