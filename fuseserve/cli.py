@@ -38,7 +38,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="scheduling policy (default: splitfuse)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16 (default: auto)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="auto, float32, bfloat16, float16 (default: auto = bf16 on GPUs and on CPUs with "
+        "AVX512-BF16/AMX, else float32); logits and sampling are fp32 whatever the dtype",
+    )
     p.add_argument(
         "--attention-backend",
         default="auto",

@@ -6,8 +6,10 @@ Sizes are in tokens unless named ``*_bytes``; memory strings accept ``"512MiB"``
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fuseserve.errors import InvalidParameterError
@@ -78,13 +80,35 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     return device
 
 
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # x86 bf16 dot-product / tile instructions
+
+
+@functools.cache
+def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bf16 matmuls natively: x86 ``avx512_bf16`` or ``amx_bf16`` in the
+    ``flags`` of ``/proc/cpuinfo`` (the test vLLM's CPU backend uses), or Arm's ``bf16`` feature.
+    False where the file cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags" and CPU_BF16_FLAGS & set(value.split()):
+            return True
+        if key.strip() == "Features" and "bf16" in value.split():
+            return True
+    return False
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU; bf16 on CUDA (fp16 where the GPU lacks bf16)."""
+    """The ``--dtype auto`` choice: bf16 on CUDA (fp16 where the GPU lacks bf16); on CPU bf16 where
+    the CPU has bf16 instructions (``cpu_has_bf16``), else fp32 (``--dtype float32`` forces fp32)."""
     import torch
 
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
 def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -108,8 +132,9 @@ def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.d
     return table[name]
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
-"""``auto``: flash-attn on SM80+ GPUs where it imports and fits, else Triton on CUDA, else the CPU path."""
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
+"""``auto``: flash-attn on SM80+ GPUs where it imports and fits, else Triton on CUDA; on CPU the C++
+operator (``cpu``), else the PyTorch reference (``torch``)."""
 
 
 @dataclass

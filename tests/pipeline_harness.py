@@ -1,5 +1,8 @@
 """Fixtures and helpers shared by ``test_pipeline.py`` and ``test_pipeline_errors.py``.
 
+The pipelines run in fp32 (``--dtype auto`` would pick bf16 on CPUs with bf16 instructions), so the
+exact-output checks and the KV block arithmetic below hold on every machine.
+
 ``pipe`` and ``tiny`` are module-scoped: each test module that imports them by name builds its own
 pipelines once and closes them at its end.
 """
@@ -21,7 +24,7 @@ def pipe(smollm2_source):
     import fuseserve
 
     p = fuseserve.pipeline(
-        str(smollm2_source.path), token_budget=64, kv_cache_memory="256MiB", progress=False
+        str(smollm2_source.path), token_budget=64, kv_cache_memory="256MiB", dtype="float32", progress=False
     )
     yield p
     p.close()
@@ -36,6 +39,7 @@ def tiny(smollm2_source):
         str(smollm2_source.path),
         token_budget=64,
         kv_cache_memory=TINY_BLOCKS * BYTES_PER_BLOCK,
+        dtype="float32",
         progress=False,
     )
     assert p.runner.info.num_blocks == TINY_BLOCKS

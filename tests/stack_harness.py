@@ -11,7 +11,9 @@ MODEL = "smollm2-135m-instruct"
 
 
 @contextlib.contextmanager
-def local_stack(token_budget: int, kv_cache_memory: str) -> Iterator[tuple[object, str]]:
+def local_stack(
+    token_budget: int, kv_cache_memory: str, dtype: str | None = None
+) -> Iterator[tuple[object, str]]:
     """``fuseserve.serve`` with 2 CPU workers (1 thread each); yields ``(stack, base_url)``."""
     import fuseserve
 
@@ -22,6 +24,7 @@ def local_stack(token_budget: int, kv_cache_memory: str) -> Iterator[tuple[objec
         token_budget=token_budget,
         kv_cache_memory=kv_cache_memory,
         device="cpu",
+        dtype=dtype,
         threads=1,
     ) as server:
         yield server.stack, server.url

@@ -23,7 +23,7 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    with local_stack(token_budget=64, kv_cache_memory="128MiB") as s:
+    with local_stack(token_budget=64, kv_cache_memory="128MiB", dtype="float32") as s:
         yield s
 
 
@@ -37,7 +37,7 @@ def pipe(smollm2_source):
     import fuseserve
 
     p = fuseserve.pipeline(
-        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", progress=False
+        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", dtype="float32", progress=False
     )
     yield p
     p.close()

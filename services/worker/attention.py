@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import torch
 
 from fuseserve.config import ATTENTION_BACKENDS
 from fuseserve.errors import FuseServeError, InvalidParameterError
-from fuseserve.kernels import reference
+from fuseserve.kernels import cpu_attention, reference
 from fuseserve.worker.kv_cache import KVCache
 from fuseserve.worker.ragged_batch import RaggedBatch
 
@@ -77,6 +78,30 @@ class TorchAttentionBackend(AttentionBackend):
         reference.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = reference.paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
         return out.flatten(1)
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """C++ paged ragged attention for CPUs (``fuseserve.kernels.cpu_attention``): one call per layer
+    serves the whole pass, reading K/V from the cache blocks in place. Raises
+    ``CpuKernelUnavailable`` at construction when the operator cannot be built here."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        cpu_attention.load()
+
+    def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
+        return cpu_attention.plan(batch)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
+        return cpu_attention.write_and_attend(
+            q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap
+        )
+
+
+@functools.cache
+def _cpu_fallback_warning(reason: str) -> None:
+    log.warning("CPU attention operator unavailable, using the PyTorch reference: %s", reason)
 
 
 @dataclass
@@ -218,10 +243,12 @@ def get_backend(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """Attention backend by name: ``torch`` (reference), ``triton``, ``flash-attn`` or ``auto``.
+    """Attention backend by name: ``torch`` (reference), ``cpu`` (C++ operator), ``triton``,
+    ``flash-attn`` or ``auto``.
 
     ``auto`` takes flash-attn when it imports, the GPU is SM80+ and ``block_size``/``dtype`` suit it;
-    else Triton on CUDA; else the CPU path (the torch reference). The choice is logged once.
+    else Triton on CUDA; on CPU the ``cpu`` operator when it builds, else the torch reference (warned
+    once). The choice is logged once.
     A forced ``triton`` runs on CPU too, interpreted (slow, for tests): the process must start with
     ``TRITON_INTERPRET=1``. Raises
     ``InvalidParameterError`` for an unknown name, ``AttentionBackendUnavailableError`` when a forced
@@ -234,6 +261,13 @@ def get_backend(
     if name == "torch":
         _log_choice("torch", "forced")
         return TorchAttentionBackend()
+    if name == "cpu":
+        try:
+            backend = CpuAttentionBackend()
+        except cpu_attention.CpuKernelUnavailable as e:
+            raise AttentionBackendUnavailableError(f"attention backend cpu: {e}") from e
+        _log_choice("cpu", "forced")
+        return backend
     if name == "flash-attn":
         reason = flash_attn.unsupported_reason(device, block_size, dtype)
         if reason:
@@ -257,5 +291,12 @@ def get_backend(
     if triton_reason is None:
         _log_choice("triton", f"auto; not flash-attn: {flash_reason}")
         return TritonAttentionBackend()
+    if device is None or torch.device(device).type == "cpu":
+        try:
+            backend = CpuAttentionBackend()
+            _log_choice("cpu", "auto")
+            return backend
+        except cpu_attention.CpuKernelUnavailable as e:
+            _cpu_fallback_warning(str(e))
     _log_choice("torch", f"auto; not flash-attn: {flash_reason}; not triton: {triton_reason}")
     return TorchAttentionBackend()

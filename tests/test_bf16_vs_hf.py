@@ -1,0 +1,76 @@
+"""bf16 logits of fuseserve's model files against ``transformers`` in bf16 on the same random weights.
+
+The tiny LLaMA / Mistral / OPT checkpoints of ``test_models_vs_hf`` are loaded by both in bf16 (the
+checkpoint is fp32; both cast once at load). Each prompt runs in one pass, in chunks of 7, and packed
+beside other sequences' chunks and decode-shaped entries.
+
+Tolerance: ``atol = 0.05`` on logits of magnitude up to ~1.5 (bf16 keeps 8 significant bits, so one
+rounding of a value in [0.5, 1) moves it by up to 2e-3, and the two implementations round at different
+places: fused vs separate projections, norm and softmax order). The fp32 implementations agree to
+1e-4 (``test_models_vs_hf``), so anything beyond bf16 rounding would show far above this bound; the
+test also checks that bf16 really ran (the bf16 logits differ from the fp32 ones).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_driver import chunked_logits
+from test_models_vs_hf import CONFIGS, prompt
+from transformers import AutoModelForCausalLM
+
+from fuseserve.config import EngineConfig
+from fuseserve.worker.model_runner import ModelRunner
+
+ATOL = 0.05
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family_bf16(request, tmp_path_factory):
+    torch.manual_seed(0)
+    config = CONFIGS[request.param]()
+    hf32 = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # non-trivial norms, as in test_models_vs_hf
+        for name, p in hf32.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp(request.param + "-bf16")
+    hf32.save_pretrained(path, safe_serialization=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    runner = ModelRunner(
+        path,
+        config,
+        eos_token_ids=[0],
+        progress=False,
+        config=EngineConfig(kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="bfloat16"),
+    )
+    assert runner.dtype == torch.bfloat16 and runner.kv_cache.k[0].dtype == torch.bfloat16
+    return request.param, hf, hf32, runner
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize("chunk", [1000, 7])
+def test_bf16_chunked_prompt_matches_transformers_bf16(family_bf16, chunk):
+    _, hf, hf32, runner = family_bf16
+    tokens = prompt(1, 90, hf.config.vocab_size)
+    ours = chunked_logits(runner, {1: tokens}, {1: chunk})[1]
+    assert ours.dtype == torch.float32  # logits reach sampling in fp32
+    want = hf_logits(hf, tokens)
+    torch.testing.assert_close(ours, want, atol=ATOL, rtol=0)
+    assert (ours - hf_logits(hf32, tokens)).abs().max() > 1e-4  # bf16 really ran
+    assert runner.num_free_blocks == runner.info.num_blocks
+
+
+def test_bf16_packed_with_other_sequences(family_bf16):
+    _, hf, _, runner = family_bf16
+    v = hf.config.vocab_size
+    prompts = {1: prompt(1, 75, v), 2: prompt(2, 150, v), 3: prompt(3, 41, v), 4: prompt(4, 23, v)}
+    sizes = {1: 7, 2: 64, 3: 1, 4: 1}
+    ours = chunked_logits(runner, prompts, sizes)
+    for sid, tokens in prompts.items():
+        torch.testing.assert_close(ours[sid], hf_logits(hf, tokens), atol=ATOL, rtol=0, msg=f"sequence {sid}")
+    assert runner.num_free_blocks == runner.info.num_blocks
