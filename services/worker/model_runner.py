@@ -84,10 +84,8 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
         self.backend = backend or get_backend("auto", self.device)
         self.block_size = self.config.block_size
-        layers = hf_config.num_hidden_layers
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        args = self.model.args
+        layers, kv_heads, head_dim = args.num_layers, args.num_kv_heads, args.head_dim
         memory = self._kv_memory_bytes()
         num_blocks = KVCache.num_blocks_for(memory, layers, self.block_size, kv_heads, head_dim, self.dtype)
         if num_blocks < 1:
