@@ -98,12 +98,12 @@ class ModelRunner:
         )
         self.allocator = BlockAllocator(num_blocks)
         self.block_tables = BlockTables(self.allocator, self.block_size)
-        self.vocab_size = hf_config.vocab_size
+        self.vocab_size = args.vocab_size
         self.sampler = Sampler(eos_token_ids, self.vocab_size)
         self.info = WorkerInfo(
             self.block_size,
             num_blocks,
-            int(hf_config.max_position_embeddings),
+            args.max_position_embeddings,
             self.vocab_size,
             list(eos_token_ids),
             str(self.device),
