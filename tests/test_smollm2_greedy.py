@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from greedy_check import assert_matches, hf_greedy
 
 NEW_TOKENS = 32
-NEAR_TIE = 1e-3
 
 CHATS = [
     "What is the capital of France?",
@@ -59,32 +59,7 @@ def reference(smollm2_source, prompts):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_source.path, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            g = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=hf.generation_config.eos_token_id,
-            )
-            tokens = g.sequences[0, len(ids) :].tolist()
-            out.append((tokens, [step[0] for step in g.logits]))
-    return out
-
-
-def assert_matches(ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], what: str) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref_tokens, strict=False)):
-        if a != b:
-            gap = (ref_logits[i][b] - ref_logits[i][a]).abs().item()
-            assert gap < NEAR_TIE, (
-                f"{what}: token {i} is {a}, transformers {b}, logit gap {gap:.2e} (not a near-tie)"
-            )
-            return  # after an accepted near-tie flip the continuations legitimately differ
-    assert len(ours) == len(ref_tokens), f"{what}: {len(ours)} tokens, transformers {len(ref_tokens)}"
+    return [hf_greedy(hf, ids, NEW_TOKENS) for ids in prompts]
 
 
 def test_alone_matches_transformers(pipe, prompts, reference):
