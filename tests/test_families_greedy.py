@@ -11,20 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from greedy_check import assert_matches, hf_greedy
-from tiny_models import tiny_checkpoint
+from tiny_models import NEW_FAMILIES, tiny_checkpoint
 
 NEW_TOKENS = 12
-FAMILIES = [
-    "qwen2-bias",
-    "qwen3-qknorm",
-    "phi3-longrope-partial",
-    "gemma2-sw16-softcap",
-    "mixtral-top2of8",
-    "qwen3moe-top3of8",
-]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", NEW_FAMILIES)
 def test_pipeline_greedy_matches_transformers(name, tmp_path):
     import fuseserve
 

@@ -141,3 +141,14 @@ def _word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token=f"w{EOS}")
+
+
+#: the families added after LLaMA, Mistral and OPT (one configuration each)
+NEW_FAMILIES = [
+    "qwen2-bias",
+    "qwen3-qknorm",
+    "phi3-longrope-partial",
+    "gemma2-sw16-softcap",
+    "mixtral-top2of8",
+    "qwen3moe-top3of8",
+]

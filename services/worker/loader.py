@@ -15,7 +15,8 @@ Model files keep Hugging Face's parameter names and declare:
 - ``tied_weights``: parameters that reuse another when the checkpoint lacks them and the config ties
   them (``tie_word_embeddings``).
 Per-expert checkpoint tensors (``...experts.{e}.{part}.weight``) go into the experts module's fused
-3-D tensors by its ``checkpoint_parts``.
+3-D tensors by its ``checkpoint_parts``. Under tensor parallelism (``parallel``) each rank reads only
+its part of each tensor (``shard_source`` of the owning module).
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from fuseserve.errors import ModelLoadError
+from fuseserve.errors import ModelLoadError, UnsupportedModelError
+from fuseserve.worker import parallel
 from fuseserve.worker.model_args import ModelArgs
 from fuseserve.worker.models import model_class
+from fuseserve.worker.models.layers import MergedLinear
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +76,20 @@ def load_model(
     """Build the family's model for ``config`` and load its weights from ``path``.
 
     Returns the model in eval mode, every parameter in ``dtype`` on ``device`` (``model.args`` holds
-    the normalised ``ModelArgs``). Raises ``UnsupportedModelError`` for an unknown architecture and
-    ``ModelLoadError`` for unreadable, mis-shaped or incomplete weights.
+    the normalised ``ModelArgs``). Raises ``UnsupportedModelError`` for an unknown architecture (or
+    one without tensor parallelism under N > 1 ranks) and ``ModelLoadError`` for unreadable,
+    mis-shaped or incomplete weights or shapes the ranks cannot split.
     """
     path = Path(path)
     cls = model_class(config)
+    if parallel.world()[1] > 1 and not getattr(cls, "supports_tensor_parallel", False):
+        raise UnsupportedModelError(f"{cls.__name__} has no tensor-parallel implementation")
     args = ModelArgs.from_hf(config)
-    with torch.device("meta"):
-        model = cls(args)
+    try:
+        with torch.device("meta"):
+            model = cls(args)
+    except ValueError as e:  # e.g. a tensor-parallel size that does not divide the heads
+        raise ModelLoadError(f"{path}: {e}") from e
     loader = _Loader(model, device, dtype)
     files = safetensors_files(path)
     bar = tqdm(total=len(files), desc=f"loading {path.name}", unit="file", disable=not progress)
@@ -149,24 +158,65 @@ class _Loader:
             begin, end = info["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{path}: corrupt safetensors entry {name}: {info}") from e
-        dest = self.tensors.get(target)
-        if dest is None:
-            dest = self.tensors[target] = torch.empty(param.shape, dtype=self.dtype, device=self.device)
-        if part is not None:
-            owner = self.model.get_submodule(target.rpartition(".")[0])
-            dest = dest[owner.shard_index(target.rpartition(".")[2], part)]
-        if tuple(dest.shape) != shape:
-            raise ModelLoadError(
-                f"{path}: checkpoint tensor {name} has shape {shape}, expected {tuple(dest.shape)} for {target}"
-            )
+        if target not in self.tensors:
+            self.tensors[target] = torch.empty(param.shape, dtype=self.dtype, device=self.device)
+        owner_name, _, leaf = target.rpartition(".")
+        owner = self.model.get_submodule(owner_name)
         numel = math.prod(shape)
         if end - begin != numel * _itemsize(src_dtype):
             raise ModelLoadError(
                 f"{path}: safetensors entry {name} has {end - begin} bytes for shape {shape}"
             )
-        f.seek(data_start + begin)
-        self._read_into(f, path, name, dest.view(-1), src_dtype)
-        self.num_filled[target] = self.num_filled.get(target, 0) + numel
+        for piece, region in _pieces(owner, leaf, part):
+            dest = self.tensors[target]
+            if piece is not None:
+                dest = dest[owner.shard_index(leaf, piece)]
+            want = list(shape)
+            if region is not None:
+                dim, start, length = region
+                if start + length > shape[dim]:
+                    raise ModelLoadError(f"{path}: checkpoint tensor {name} {shape} lacks rows {region}")
+                want[dim] = length
+            if tuple(dest.shape) != tuple(want):
+                raise ModelLoadError(
+                    f"{path}: checkpoint tensor {name} has shape {shape}, expected {tuple(dest.shape)} "
+                    f"for {target}" + (f" (this rank's part {region})" if region else "")
+                )
+            self._read_region(f, path, name, dest, src_dtype, shape, region, data_start + begin)
+            self.num_filled[target] = self.num_filled.get(target, 0) + dest.numel()
+
+    def _read_region(
+        self,
+        f: BinaryIO,
+        path: Path,
+        name: str,
+        dest: torch.Tensor,
+        src_dtype: torch.dtype,
+        shape: tuple[int, ...],
+        region: tuple[int, int, int] | None,
+        offset: int,
+    ) -> None:
+        """Fill ``dest`` from the tensor at byte ``offset``: all of it, or along ``dim`` the
+        ``length`` entries from ``start`` (a tensor-parallel rank's part)."""
+        if region is None:
+            f.seek(offset)
+            self._read_into(f, path, name, dest.view(-1), src_dtype)
+            return
+        dim, start, length = region
+        outer, size, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+        item = _itemsize(src_dtype)
+        if outer == 1:  # a contiguous byte range
+            f.seek(offset + start * inner * item)
+            self._read_into(f, path, name, dest.view(-1), src_dtype)
+            return
+        out = dest.view(outer, length, inner)
+        step = max(1, STAGING_BYTES // (size * inner * item))
+        f.seek(offset)
+        for o in range(0, outer, step):
+            n = min(step, outer - o)
+            buf = self._staging(n * size * inner, src_dtype)
+            _readinto(f, buf, path, name)
+            out[o : o + n].copy_(buf.view(n, size, inner)[:, start : start + length])
 
     def _read_into(
         self, f: BinaryIO, path: Path, name: str, dest: torch.Tensor, src_dtype: torch.dtype
@@ -208,6 +258,16 @@ class _Loader:
                 if buf is not None and buf.device != self.device:
                     module._buffers[key] = buf.to(self.device)
         self.staging = None
+
+
+def _pieces(owner: nn.Module, leaf: str, part: Any) -> list[tuple[Any, tuple[int, int, int] | None]]:
+    """What one checkpoint tensor fills: ``(part, region)`` pairs, where ``region`` (``(dim, start,
+    length)``) is the slice this tensor-parallel rank reads, None for all of it."""
+    if parallel.world()[1] == 1 or not hasattr(owner, "shard_source"):
+        return [(part, None)]
+    if part is None and isinstance(owner, MergedLinear):  # a fused checkpoint tensor (Phi-3)
+        return [(p, owner.shard_source(leaf, p, fused=True)) for p in owner.sizes]
+    return [(part, owner.shard_source(leaf, part))]
 
 
 def _read_header(f: BinaryIO, path: Path) -> tuple[dict, int]:

@@ -16,6 +16,7 @@ import torch
 from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import KVCacheTooSmallError, SchedulerError
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
+from fuseserve.worker import parallel
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.kv_cache import BlockAllocator, BlockTables, KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
@@ -85,7 +86,8 @@ class ModelRunner:
         self.backend = backend or get_backend("auto", self.device)
         self.block_size = self.config.block_size
         args = self.model.args
-        layers, kv_heads, head_dim = args.num_layers, args.num_kv_heads, args.head_dim
+        layers, head_dim = args.num_layers, args.head_dim
+        kv_heads = parallel.kv_heads_per_rank(args.num_kv_heads)  # this rank's (all without TP)
         memory = self._kv_memory_bytes()
         num_blocks = KVCache.num_blocks_for(memory, layers, self.block_size, kv_heads, head_dim, self.dtype)
         if num_blocks < 1:

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from fuseserve.worker import parallel
 from fuseserve.worker.attention import attention
 from fuseserve.worker.model_args import ModelArgs
+from fuseserve.worker.parallel import RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -110,12 +112,23 @@ class MergedLinear(nn.Linear):
     """Several projections of the same input stacked by output rows: one GEMM, outputs split after.
 
     ``sizes`` names the parts in order (``{"q": 512, "k": 128, "v": 128}``); checkpoints that store the
-    parts separately (``q_proj``, ``k_proj``, ``v_proj``) fill the rows ``shard_index`` gives.
+    parts separately (``q_proj``, ``k_proj``, ``v_proj``) fill the rows ``shard_index`` gives. Under
+    tensor parallelism (column parallel) ``sizes`` are this rank's slices, ``source_starts`` where each
+    slice begins in its checkpoint part and ``full_sizes`` the checkpoint parts' sizes.
     """
 
-    def __init__(self, in_features: int, sizes: dict[str, int], bias: bool):
+    def __init__(
+        self,
+        in_features: int,
+        sizes: dict[str, int],
+        bias: bool,
+        source_starts: dict[str, int] | None = None,
+        full_sizes: dict[str, int] | None = None,
+    ):
         super().__init__(in_features, sum(sizes.values()), bias=bias)
         self.sizes = sizes
+        self.source_starts = source_starts or dict.fromkeys(sizes, 0)
+        self.full_sizes = full_sizes or sizes
 
     def shard_index(self, param_name: str, shard: str) -> tuple[slice]:
         """Rows of ``weight`` / ``bias`` that checkpoint part ``shard`` fills."""
@@ -125,6 +138,15 @@ class MergedLinear(nn.Linear):
                 return (slice(start, start + size),)
             start += size
         raise KeyError(f"{shard!r} is not a part of {list(self.sizes)}")
+
+    def shard_source(self, param_name: str, shard: str, fused: bool = False) -> tuple[int, int, int]:
+        """``(dim, start, length)`` of this rank's rows of part ``shard`` in the checkpoint tensor: the
+        part's own tensor, or with ``fused`` the checkpoint's stacked tensor (Phi-3's ``qkv_proj``)."""
+        offset = 0
+        if fused:
+            names = list(self.full_sizes)
+            offset = sum(self.full_sizes[n] for n in names[: names.index(shard)])
+        return 0, offset + self.source_starts[shard], self.sizes[shard]
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [T, in]`` → one ``[T, size]`` tensor per part, in order."""
@@ -136,20 +158,29 @@ class Attention(nn.Module):
 
     ``qkv_bias``: biases on q, k, v (Qwen2); ``qk_norm``: RMSNorm over each head of q and k before
     rotary (Qwen3). The layer's sliding window and logit soft-cap go to the attention backend with
-    each call (``args.sliding_windows[layer_idx]``, ``args.attn_logit_softcap``).
+    each call (``args.sliding_windows[layer_idx]``, ``args.attn_logit_softcap``). Under tensor
+    parallelism each rank computes its own heads (``parallel``).
     """
 
     def __init__(
         self, args: ModelArgs, layer_idx: int, rotary: Rotary, qkv_bias: bool = False, qk_norm: bool = False
     ):
         super().__init__()
+        rank, size = parallel.world()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.head_dim = hd = args.head_dim
+        self.num_heads = parallel.divide(args.num_heads, size, "the attention heads")  # this rank's
+        self.num_kv_heads = parallel.kv_heads_per_rank(args.num_kv_heads)
+        q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        kv_start = parallel.kv_head_start(args.num_kv_heads) * hd
         self.qkv_proj = MergedLinear(
-            args.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias or args.attention_bias
+            args.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            bias=qkv_bias or args.attention_bias,
+            source_starts={"q": rank * q_size, "k": kv_start, "v": kv_start},
+            full_sizes={"q": args.num_heads * hd, "k": args.num_kv_heads * hd, "v": args.num_kv_heads * hd},
         )
-        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.attention_bias)
+        self.o_proj = RowParallelLinear(args.num_heads * hd, args.hidden_size, bias=args.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -173,14 +204,23 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """Gated MLP ``down(act(gate x) * up x)``: SwiGLU with silu (LLaMA), GeGLU with gelu (Gemma)."""
+    """Gated MLP ``down(act(gate x) * up x)``: SwiGLU with silu (LLaMA), GeGLU with gelu (Gemma).
+
+    Under tensor parallelism each rank computes a slice of the intermediate features.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
         super().__init__()
+        rank, size = parallel.world()
+        local = parallel.divide(intermediate_size, size, "the MLP's intermediate size")
         self.gate_up_proj = MergedLinear(
-            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias
+            hidden_size,
+            {"gate": local, "up": local},
+            bias,
+            source_starts={"gate": rank * local, "up": rank * local},
+            full_sizes={"gate": intermediate_size, "up": intermediate_size},
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

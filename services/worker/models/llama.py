@@ -16,6 +16,7 @@ from torch import nn
 
 from fuseserve.worker.model_args import ModelArgs
 from fuseserve.worker.models.layers import Attention, GatedMLP, RMSNorm, Rotary
+from fuseserve.worker.parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -38,7 +39,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, args: ModelArgs, layers: list[nn.Module], norm: nn.Module, embed_scale: float = 1.0):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.embed_scale = embed_scale
@@ -69,6 +70,7 @@ class LlamaForCausalLM(nn.Module):
     }
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    supports_tensor_parallel = True
     qkv_bias = False  # Qwen2: biases on q, k, v
     qk_norm = False  # Qwen3: RMSNorm over each head of q and k
     scale_embeddings = False  # Gemma: embeddings times sqrt(hidden_size)
@@ -80,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
         layers = [self.make_layer(args, i) for i in range(args.num_layers)]
         embed_scale = args.hidden_size**0.5 if self.scale_embeddings else 1.0
         self.model = DecoderModel(args, layers, self.make_norm(args), embed_scale)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size)
 
     def make_layer(self, args: ModelArgs, layer_idx: int) -> nn.Module:
         """Layer ``layer_idx``: attention (with the family's q/k options) and ``make_mlp``'s MLP."""

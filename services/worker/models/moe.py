@@ -5,7 +5,8 @@ expert outputs are summed, weighted by the router's softmax probabilities (renor
 chosen ``top_k`` when ``norm_topk_prob``). The computation is grouped by expert: the (token, expert)
 assignments are sorted by expert, each expert that received tokens runs one gated-MLP GEMM pair over
 its contiguous slice, and the weighted outputs are scattered back with one ``index_add_``. Experts that
-received no token cost nothing.
+received no token cost nothing. Under tensor parallelism every rank routes alike (the router is
+replicated) and holds a slice of every expert's intermediate features; one all-reduce sums them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from fuseserve.worker import parallel
 from fuseserve.worker.model_args import ModelArgs
 
 
@@ -34,9 +36,12 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str):
         super().__init__()
-        self.num_experts, self.inter = num_experts, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        rank, size = parallel.world()
+        self.num_experts = num_experts
+        self.inter = parallel.divide(intermediate_size, size, "the experts' intermediate size")
+        self.source_start = rank * self.inter  # this rank's intermediate features in the checkpoint
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
         self.act = ACT2FN[act]
 
     def shard_index(self, param_name: str, shard: tuple[int, str]) -> tuple[int | slice, ...]:
@@ -45,6 +50,13 @@ class Experts(nn.Module):
         if part == "down":
             return (expert,)
         return (expert, slice(0, self.inter) if part == "gate" else slice(self.inter, 2 * self.inter))
+
+    def shard_source(self, param_name: str, shard: tuple[int, str] | None) -> tuple[int, int, int] | None:
+        """``(dim, start, length)`` of this rank's slice of a per-expert checkpoint tensor (None for an
+        already fused 3-D one, which then fails the shape check: not split for tensor parallelism)."""
+        if shard is None:
+            return None
+        return (1 if shard[1] == "down" else 0), self.source_start, self.inter
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]``, ``expert_ids [T, k]``, ``weights [T, k]`` → ``[T, hidden]``."""
@@ -83,4 +95,4 @@ class SparseMoE(nn.Module):
         weights, expert_ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, expert_ids, weights)
+        return parallel.all_reduce(self.experts(x, expert_ids, weights))

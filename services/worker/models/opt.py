@@ -95,6 +95,7 @@ class OPTForCausalLM(nn.Module):
     }
     checkpoint_renames = ((r"^(model\.)?decoder\.", "model."),)
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    supports_tensor_parallel = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
