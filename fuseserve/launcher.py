@@ -155,6 +155,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
                 worker += ["--device", args.device]
             if args.dtype:
                 worker += ["--dtype", args.dtype]
+            if getattr(args, "tensor_parallel_size", 1) > 1:
+                worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
             stack.spawn(f"worker-{i}", worker)
         stack.spawn(
             "gateway",

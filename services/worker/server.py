@@ -119,7 +119,20 @@ def run_worker(args: argparse.Namespace) -> int:
     config = EngineConfig(
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype
     )
-    runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
+    tp_size = getattr(args, "tensor_parallel_size", 1) or 1
+    if tp_size > 1:
+        from fuseserve.worker import tensor_parallel
+
+        runner = tensor_parallel.start(
+            source.path,
+            source.config,
+            source.eos_token_ids(),
+            config,
+            tp_size,
+            getattr(args, "threads", None),
+        )
+    else:
+        runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
     budget = args.token_budget or choose_token_budget(runner, str(source.path))
     metrics = WorkerMetrics(worker_id, args.metrics_port) if getattr(args, "metrics_port", None) else None
 
@@ -174,4 +187,6 @@ def run_worker(args: argparse.Namespace) -> int:
     except redis.RedisError:
         pass
     server.stop(grace=2).wait()
+    if tp_size > 1:
+        runner.close()
     return 0

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fuseserve.errors import FuseServeError
 from fuseserve.types import StepPlan, StepResult
 from fuseserve.worker.model_runner import ModelRunner
 
@@ -61,12 +62,24 @@ class TensorParallelRunner:
     def step(self, plan: StepPlan) -> StepResult:
         plan = self._with_decode_tokens(plan)
         self._broadcast(("pass", plan, False))
-        return self.runner.step(plan)
+        return self._in_step(self.runner.step, plan)
 
     def run_pass(self, plan: StepPlan, all_logits: bool = False):
         plan = self._with_decode_tokens(plan)
         self._broadcast(("pass", plan, all_logits))
-        return self.runner.run_pass(plan, all_logits)
+        return self._in_step(self.runner.run_pass, plan, all_logits)
+
+    def _in_step(self, fn, *args):
+        """Run one pass on rank 0. A typed error (a bad plan, found before any collective, on every
+        rank alike) goes back to the caller; anything else (a collective failed: a rank is gone)
+        leaves the ranks out of step, so the worker stops."""
+        try:
+            return fn(*args)
+        except FuseServeError:
+            raise
+        except Exception:
+            log.exception("tensor-parallel pass failed")
+            self._exit("a tensor-parallel pass failed")
 
     def free(self, seq_ids: list[int]) -> None:
         self._broadcast(("free", list(seq_ids), None))
@@ -169,8 +182,11 @@ def follow(runner: ModelRunner) -> None:
                 runner.free(arg)
             else:
                 runner.run_pass(arg, all_logits)
-        except Exception:  # a bad plan fails on rank 0 too, before any collective; stay in step
+        except FuseServeError:  # a bad plan fails on rank 0 too, before any collective; stay in step
             log.exception("tensor-parallel follower: %s failed", op)
+        except Exception:  # out of step with the other ranks: stop (rank 0 notices and stops too)
+            log.exception("tensor-parallel follower: %s failed; this rank exits", op)
+            os._exit(RANK_LOST_EXIT_CODE)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
