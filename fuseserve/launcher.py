@@ -169,6 +169,8 @@ def worker_argv(
         worker += ["--device", args.device]
     if args.dtype:
         worker += ["--dtype", args.dtype]
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     return worker + ["--attention-backend", args.attention_backend]
 
 

@@ -75,6 +75,9 @@ def add_parsers(sub, engine_args) -> None:
         help="multiply every simulated step's latency by F; a comma-separated list is cycled over "
         "the workers (1,3: worker-0 x1, worker-1 x3, ...) (default: 1)",
     )
+    s.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks (processes) per worker (default: 1)"
+    )
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -112,6 +115,12 @@ def add_parsers(sub, engine_args) -> None:
     w.add_argument("--advertise-host", default=None, help="host name the scheduler dials (default: --host)")
     w.add_argument("--worker-id", default=None, help="registry id (default: hostname + random suffix)")
     w.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    w.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks (processes) this worker runs as (default: 1)",
+    )
     w.add_argument(
         "--metrics-port",
         type=int,

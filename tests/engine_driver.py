@@ -24,17 +24,7 @@ def chunked_logits(
             if start >= len(toks):
                 continue
             n = min(chunk_sizes[sid], len(toks) - start)
-            chunks.append(
-                SeqChunk(
-                    sid,
-                    start,
-                    n,
-                    toks[start : start + n],
-                    sample=start + n == len(toks),
-                    params=SamplingParams(temperature=0.0) if start == 0 else None,
-                    prompt_len=len(toks),
-                )
-            )
+            chunks.append(_chunk(sid, toks, start, n, len(toks)))
             pos[sid] = start + n
         logits, _ = runner.run_pass(StepPlan(step, chunks), all_logits=True)
         offset = 0
@@ -44,3 +34,36 @@ def chunked_logits(
         step += 1
     runner.free(list(prompts))
     return {sid: torch.cat(parts) for sid, parts in out.items()}
+
+
+def greedy_tokens(runner, prompt: list[int], max_new_tokens: int, chunk: int = 16):
+    """Greedy decoding of one sequence straight on the runner (prompt in chunks of ``chunk`` tokens,
+    then one token per pass, argmax of the logits). Returns ``(tokens, logits [vocab] per step)``."""
+    seq_id, pos, step = 1, 0, 0
+    tokens: list[int] = []
+    logits_per_step: list[torch.Tensor] = []
+    known = list(prompt)
+    while len(tokens) < max_new_tokens:
+        n = min(chunk, len(known) - pos)
+        c = _chunk(seq_id, known, pos, n, len(prompt))
+        logits, _ = runner.run_pass(StepPlan(step, [c]))
+        pos, step = pos + n, step + 1
+        if c.sample:
+            logits_per_step.append(logits[0])
+            tokens.append(int(logits[0].argmax()))
+            known.append(tokens[-1])
+    runner.free([seq_id])
+    return tokens, logits_per_step
+
+
+def _chunk(seq_id: int, tokens: list[int], start: int, n: int, prompt_len: int) -> SeqChunk:
+    """Tokens ``start:start+n`` of a sequence whose known tokens are ``tokens`` (greedy params first)."""
+    return SeqChunk(
+        seq_id,
+        start,
+        n,
+        tokens[start : start + n],
+        sample=start + n == len(tokens),
+        params=SamplingParams(temperature=0.0) if start == 0 else None,
+        prompt_len=prompt_len,
+    )

@@ -57,7 +57,10 @@ def test_flash_attn_kernel_reasons_are_plain():
 
 def test_kernel_backend_choice_on_cpu():
     cpu = torch.device("cpu")
-    assert get_backend("auto", cpu).name in ("cpu", "torch")  # the C++ operator, or the reference without a compiler
+    assert get_backend("auto", cpu).name in (
+        "cpu",
+        "torch",
+    )  # the C++ operator, or the reference without a compiler
     assert isinstance(get_backend("torch", cpu), TorchAttentionBackend)
     with pytest.raises(AttentionBackendUnavailableError, match="CUDA"):
         get_backend("flash-attn", cpu, block_size=16, dtype=torch.float32)

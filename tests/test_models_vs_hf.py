@@ -9,90 +9,21 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_driver import chunked_logits
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, OPTConfig
+from tiny_models import CONFIGS, tiny_checkpoint
 
 from fuseserve.config import EngineConfig
 from fuseserve.worker.model_runner import ModelRunner
 
 ATOL = 1e-4
 
-CONFIGS = {
-    "llama-gqa": lambda: LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        architectures=["LlamaForCausalLM"],
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 128,
-        },
-    ),
-    "llama-tied": lambda: LlamaConfig(
-        vocab_size=300,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        architectures=["LlamaForCausalLM"],
-    ),
-    "mistral-sw16": lambda: MistralConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=16,
-        architectures=["MistralForCausalLM"],
-    ),
-    "opt-prenorm": lambda: OPTConfig(
-        vocab_size=512,
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        word_embed_proj_dim=64,
-        do_layer_norm_before=True,
-        architectures=["OPTForCausalLM"],
-    ),
-    "opt-postnorm-proj": lambda: OPTConfig(
-        vocab_size=512,
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        word_embed_proj_dim=32,
-        do_layer_norm_before=False,
-        architectures=["OPTForCausalLM"],
-    ),
-}
+MOE = ("mixtral-top2of8", "qwen3moe-top3of8")
+WINDOWED = ("mistral-sw16", "gemma2-sw16-softcap")
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def family(request, tmp_path_factory):
-    torch.manual_seed(0)
-    config = CONFIGS[request.param]()
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():  # make layer norms non-trivial so a missed weight shows
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
+    hf, config = tiny_checkpoint(request.param, path)
     runner = ModelRunner(
         path,
         config,
@@ -141,18 +72,63 @@ def test_packed_with_other_sequences(family):
     assert runner.num_free_blocks == runner.info.num_blocks
 
 
+def _with(hf, tokens: list[int], changes: list[tuple[object, str, object]]) -> torch.Tensor:
+    """transformers' logits with ``setattr(obj, name, value)`` applied for one call."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
+    for obj, name, value in changes:
+        setattr(obj, name, value)
+    try:
+        return hf_logits(hf, tokens)
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
 def test_sliding_window_is_exercised(family):
-    """Guard: for Mistral, the window must change the logits (prompts longer than the window)."""
+    """Guard: for Mistral and Gemma 2, the window must change the logits (prompts longer than it)."""
     name, hf, runner = family
-    if name != "mistral-sw16":
-        pytest.skip("only Mistral has a sliding window")
+    if name not in WINDOWED:
+        pytest.skip("no sliding window")
     tokens = prompt(7, 48, hf.config.vocab_size)
     full = hf_logits(hf, tokens)
-    hf.config.sliding_window = None
-    try:
-        no_window = hf_logits(hf, tokens)
-    finally:
-        hf.config.sliding_window = 16
+    no_window = _with(hf, tokens, [(hf.config, "sliding_window", 10**6)])
     assert (full[-1] - no_window[-1]).abs().max() > 1e-3
     ours = chunked_logits(runner, {9: tokens}, {9: 5})[9]
     torch.testing.assert_close(ours, full, atol=ATOL, rtol=0)
+
+
+def test_soft_caps_are_exercised(family):
+    """Guard: Gemma 2's attention and final soft-caps each change the logits."""
+    name, hf, _ = family
+    if not name.startswith("gemma2"):
+        pytest.skip("only Gemma 2 soft-caps")
+    tokens = prompt(8, 40, hf.config.vocab_size)
+    full = hf_logits(hf, tokens)
+    uncapped_attn = [(layer.self_attn, "attn_logit_softcapping", None) for layer in hf.model.layers]
+    uncapped_final = [(hf.config, "final_logit_softcapping", None)]
+    for what, changes in (("attention", uncapped_attn), ("final", uncapped_final)):
+        assert (full - _with(hf, tokens, changes)).abs().max() > 1e-3, f"{what} soft-cap has no effect"
+
+
+def test_moe_with_idle_experts(family):
+    """A 3-token prompt in one pass reaches at most 3 x top_k experts of 8 per layer, so some
+    experts receive no token; logits still equal transformers'."""
+    name, hf, runner = family
+    if name not in MOE:
+        pytest.skip("not a mixture of experts")
+    from fuseserve.worker.models.moe import Experts
+
+    used: list[int] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out: used.append(int(inp[1].unique().numel())))
+        for m in runner.model.modules()
+        if isinstance(m, Experts)
+    ]
+    try:
+        tokens = prompt(11, 3, hf.config.vocab_size)
+        ours = chunked_logits(runner, {1: tokens}, {1: 3})[1]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert used and min(used) < 8, used
+    torch.testing.assert_close(ours, hf_logits(hf, tokens), atol=ATOL, rtol=0)

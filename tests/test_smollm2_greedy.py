@@ -11,23 +11,11 @@ where SmolLM2's top logits lie), and the test checks exactly that.
 
 from __future__ import annotations
 
-import math
-from functools import partial
-
 import pytest
 import torch
+from greedy_check import assert_matches, hf_greedy
 
 NEW_TOKENS = 32
-NEAR_TIE_FP32 = 1e-3
-
-
-def tie_bound(dtype: str, logit: float) -> float:
-    """Largest accepted gap between transformers' two candidates: fp32 just under 1e-3; bf16 one step
-    of bf16 (8 significant bits) at the magnitude of ``logit``, ``2 ** (floor(log2 |logit|) - 7)``."""
-    if dtype == "float32":
-        return NEAR_TIE_FP32 * (1 - 1e-6)
-    return 2.0 ** (math.floor(math.log2(max(abs(logit), 1e-30))) - 7)
-
 
 CHATS = [
     "What is the capital of France?",
@@ -80,35 +68,7 @@ def reference(smollm2_source, prompts, dtype):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_source.path, dtype=getattr(torch, dtype)).eval()
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            g = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=hf.generation_config.eos_token_id,
-            )
-            tokens = g.sequences[0, len(ids) :].tolist()
-            out.append((tokens, [step[0].float() for step in g.logits], partial(tie_bound, dtype)))
-    return out
-
-
-def assert_matches(
-    ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], near_tie, what: str
-) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref_tokens, strict=False)):
-        if a != b:
-            gap = (ref_logits[i][b] - ref_logits[i][a]).abs().item()
-            assert gap <= near_tie(ref_logits[i][b].item()), (
-                f"{what}: token {i} is {a}, transformers {b}, logit gap {gap:.2e} (not a near-tie)"
-            )
-            print(f"{what}: accepted near-tie flip at token {i} (logit gap {gap:.3g})")
-            return  # after an accepted near-tie flip the continuations legitimately differ
-    assert len(ours) == len(ref_tokens), f"{what}: {len(ours)} tokens, transformers {len(ref_tokens)}"
+    return [(*hf_greedy(hf, ids, NEW_TOKENS), dtype) for ids in prompts]
 
 
 def test_alone_matches_transformers(pipe, prompts, reference):

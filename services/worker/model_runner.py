@@ -15,6 +15,7 @@ import torch
 from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import KVCacheTooSmallError
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
+from fuseserve.worker import parallel
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
@@ -59,10 +60,9 @@ class ModelRunner:
         self.backend = backend or get_backend(
             self.config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
         )
-        layers = hf_config.num_hidden_layers
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        args = self.model.args
+        layers, head_dim = args.num_layers, args.head_dim
+        kv_heads = parallel.kv_heads_per_rank(args.num_kv_heads)  # this rank's (all without TP)
         memory = self._kv_memory_bytes()
         num_blocks = KVCache.num_blocks_for(memory, layers, self.block_size, kv_heads, head_dim, self.dtype)
         if num_blocks < 1:
@@ -79,12 +79,12 @@ class ModelRunner:
         self.allocator = self.seq_table.allocator
         self.block_tables = self.seq_table.block_tables
         self.seqs: dict[int, WorkerSeq] = self.seq_table.seqs
-        self.vocab_size = hf_config.vocab_size
+        self.vocab_size = args.vocab_size
         self.sampler = Sampler(eos_token_ids, self.vocab_size)
         self.info = WorkerInfo(
             self.block_size,
             num_blocks,
-            int(hf_config.max_position_embeddings),
+            args.max_position_embeddings,
             self.vocab_size,
             list(eos_token_ids),
             str(self.device),

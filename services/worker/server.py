@@ -135,7 +135,20 @@ def model_runner(args: argparse.Namespace):
         dtype=args.dtype,
         attention_backend=args.attention_backend,
     )
-    runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
+    tp_size = getattr(args, "tensor_parallel_size", 1) or 1
+    if tp_size > 1:
+        from fuseserve.worker import tensor_parallel
+
+        runner = tensor_parallel.start(
+            source.path,
+            source.config,
+            source.eos_token_ids(),
+            config,
+            tp_size,
+            getattr(args, "threads", None),
+        )
+    else:
+        runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
     budget = args.token_budget or choose_token_budget(runner, str(source.path))
     return runner, source.name, budget
 
@@ -224,4 +237,6 @@ def run_worker(args: argparse.Namespace) -> int:
     except redis.RedisError:
         pass
     server.stop(grace=2).wait()
+    if hasattr(runner, "close"):  # a tensor-parallel runner stops its other ranks
+        runner.close()
     return 0

@@ -1,0 +1,195 @@
+"""One worker as N tensor-parallel ranks: rank 0 speaks to the scheduler, ranks 1..N-1 follow.
+
+``start`` spawns the follower processes, joins them in one ``torch.distributed`` group (gloo on CPU,
+NCCL on CUDA; ``parallel`` holds the sharded layers) and returns rank 0's ``TensorParallelRunner``,
+which the gRPC servicer uses like a ``ModelRunner``: before each pass it broadcasts the plan, with
+each decode entry's input token filled in (only rank 0 samples, so only it knows them), and every
+rank runs the same ragged forward on its shard. The scheduler sees one worker; the KV budget and block
+accounting are per worker (each rank holds its KV heads for the same blocks).
+
+A rank that dies takes the worker down: rank 0 watches its followers and exits the process when one
+is gone (the scheduler then recomputes the worker's sequences elsewhere), and followers exit when
+rank 0's broadcast fails or their parent is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fuseserve.errors import FuseServeError
+from fuseserve.types import StepPlan, StepResult
+from fuseserve.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+WATCH_INTERVAL_S = 0.5
+RANK_LOST_EXIT_CODE = 3
+
+
+def _init_group(rank: int, size: int, init_file: str, device: str | None) -> None:
+    backend = "nccl" if device and device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+    )
+
+
+class TensorParallelRunner:
+    """Rank 0's ``ModelRunner`` plus the broadcast that keeps ranks 1..N-1 in step with it.
+
+    Same interface as ``ModelRunner`` (``step``, ``run_pass``, ``free``, ``info``, ``seqs``, ...).
+    """
+
+    def __init__(self, runner: ModelRunner, followers: list):
+        self.runner = runner
+        self.followers = followers
+        self._closed = False
+        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        plan = self._with_decode_tokens(plan)
+        self._broadcast(("pass", plan, False))
+        return self._in_step(self.runner.step, plan)
+
+    def run_pass(self, plan: StepPlan, all_logits: bool = False):
+        plan = self._with_decode_tokens(plan)
+        self._broadcast(("pass", plan, all_logits))
+        return self._in_step(self.runner.run_pass, plan, all_logits)
+
+    def _in_step(self, fn, *args):
+        """Run one pass on rank 0. A typed error (a bad plan, found before any collective, on every
+        rank alike) goes back to the caller; anything else (a collective failed: a rank is gone)
+        leaves the ranks out of step, so the worker stops."""
+        try:
+            return fn(*args)
+        except FuseServeError:
+            raise
+        except Exception:
+            log.exception("tensor-parallel pass failed")
+            self._exit("a tensor-parallel pass failed")
+
+    def free(self, seq_ids: list[int]) -> None:
+        self._broadcast(("free", list(seq_ids), None))
+        self.runner.free(seq_ids)
+
+    def close(self) -> None:
+        """Stop the followers (they leave their loop) and wait for them."""
+        if self._closed:
+            return
+        self._closed = True
+        self._broadcast(("stop", None, None))
+        for p in self.followers:
+            p.join(timeout=10)
+        dist.destroy_process_group()
+
+    def _with_decode_tokens(self, plan: StepPlan) -> StepPlan:
+        chunks = []
+        for c in plan.chunks:
+            seq = self.runner.seqs.get(c.seq_id)
+            if not c.token_ids and seq is not None and seq.last_token is not None:
+                c = dataclasses.replace(c, token_ids=[seq.last_token])
+            chunks.append(c)
+        return dataclasses.replace(plan, chunks=chunks)
+
+    def _broadcast(self, op: tuple) -> None:
+        try:
+            dist.broadcast_object_list([op], src=0)
+        except Exception:  # a follower is gone: the worker cannot run a pass any more
+            log.exception("tensor-parallel broadcast failed")
+            self._exit("a tensor-parallel rank stopped answering")
+
+    def _watch(self) -> None:
+        while not self._closed:
+            for rank, p in enumerate(self.followers, 1):
+                if not p.is_alive() and not self._closed:
+                    self._exit(f"tensor-parallel rank {rank} exited with code {p.exitcode}")
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _exit(self, why: str) -> None:
+        log.error("%s; the worker stops (its sequences move to other workers)", why)
+        for p in self.followers:
+            if p.is_alive():
+                p.kill()
+        os._exit(RANK_LOST_EXIT_CODE)
+
+
+def start(model_path, hf_config, eos_token_ids: list[int], config, size: int, threads: int | None = None):
+    """Spawn ranks 1..``size``-1, join them as rank 0, load rank 0's shard; returns its runner.
+
+    Raises what ``ModelRunner`` raises (each follower loads its own shard the same way).
+    """
+    init_file = os.path.join(tempfile.mkdtemp(prefix="fuseserve-tp-"), "store")
+    ctx = mp.get_context("spawn")
+    followers = [
+        ctx.Process(
+            target=_follower_main,
+            args=(rank, size, init_file, str(model_path), eos_token_ids, config, threads, os.getpid()),
+            name=f"fuseserve-tp-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(1, size)
+    ]
+    for p in followers:
+        p.start()
+    _init_group(0, size, init_file, config.device)
+    return TensorParallelRunner(ModelRunner(model_path, hf_config, eos_token_ids, config), followers)
+
+
+def _follower_main(rank, size, init_file, model_path, eos_token_ids, config, threads, parent_pid) -> None:
+    from transformers import AutoConfig
+
+    if threads:
+        torch.set_num_threads(threads)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    _init_group(rank, size, init_file, config.device)
+    runner = ModelRunner(
+        model_path, AutoConfig.from_pretrained(model_path), eos_token_ids, config, progress=False
+    )
+    follow(runner)
+    dist.destroy_process_group()
+
+
+def follow(runner: ModelRunner) -> None:
+    """Ranks 1..N-1: run every pass and free that rank 0 broadcasts, until it says stop.
+
+    Only rank 0 samples. A failed broadcast (rank 0 gone) ends the process.
+    """
+    while True:
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception:
+            log.error("tensor-parallel rank 0 is gone; this rank exits")
+            os._exit(RANK_LOST_EXIT_CODE)
+        op, arg, all_logits = box[0]
+        if op == "stop":
+            return
+        try:
+            if op == "free":
+                runner.free(arg)
+            else:
+                runner.run_pass(arg, all_logits)
+        except FuseServeError:  # a bad plan fails on rank 0 too, before any collective; stay in step
+            log.exception("tensor-parallel follower: %s failed", op)
+        except Exception:  # out of step with the other ranks: stop (rank 0 notices and stops too)
+            log.exception("tensor-parallel follower: %s failed; this rank exits", op)
+            os._exit(RANK_LOST_EXIT_CODE)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(WATCH_INTERVAL_S)
+    os._exit(RANK_LOST_EXIT_CODE)

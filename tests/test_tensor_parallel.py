@@ -1,0 +1,150 @@
+"""Tensor parallelism inside a worker (gloo on CPU): logits with N ranks equal one rank's within 1e-4.
+
+Every LLaMA-shaped family's tiny checkpoint (``tiny_models``) runs on 2 ranks, and LLaMA with 8
+heads / 2 KV heads also on 4 ranks (each KV head replicated on 2 ranks). All ranks run the same
+teacher-forced plans (sequences in chunks of 7, 64 and 1 tokens packed in the same passes); rank 0's
+logits are compared with a single-process runner's. SmolLM2-135M (9 heads, 3 KV heads) on 3 ranks
+decodes greedily to the same tokens as on one (near-tie rule of ``greedy_check``).
+
+These run the model runner directly on every rank; the worker's rank-0 plan broadcast is not here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from engine_driver import chunked_logits, greedy_tokens
+from greedy_check import assert_matches
+from tiny_models import NEW_FAMILIES, tiny_checkpoint
+
+from fuseserve.config import EngineConfig
+from fuseserve.worker.model_runner import ModelRunner
+
+ATOL = 1e-4
+TP2_FAMILIES = ["llama-gqa", "llama-tied", *NEW_FAMILIES]
+SIZES = {1: 7, 2: 64, 3: 1, 4: 1}
+
+
+def _runner(path) -> ModelRunner:
+    from transformers import AutoConfig
+
+    return ModelRunner(
+        path,
+        AutoConfig.from_pretrained(path),
+        eos_token_ids=[0],
+        progress=False,
+        config=EngineConfig(kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="float32"),
+    )
+
+
+def _prompts(vocab: int) -> dict[int, list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        sid: torch.randint(1, vocab, (n,), generator=g).tolist()
+        for sid, n in zip(SIZES, (40, 90, 12, 5), strict=True)
+    }
+
+
+def _rank_main(rank: int, size: int, init_file: str, jobs: list[tuple[str, str]]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    try:
+        for path, out in jobs:
+            runner = _runner(path)
+            assert runner.model.model.embed_tokens.num_embeddings == runner.vocab_size // size  # sharded
+            logits = chunked_logits(runner, _prompts(runner.vocab_size), SIZES)
+            if rank == 0:
+                torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_tp(size: int, names: list[str], tmp_path) -> dict[str, tuple[dict, dict]]:
+    """Per family: (logits with ``size`` ranks, logits with one)."""
+    jobs, single = [], {}
+    for name in names:
+        path = tmp_path / name
+        tiny_checkpoint(name, path)
+        jobs.append((str(path), str(tmp_path / f"{name}.tp{size}.pt")))
+        runner = _runner(path)
+        single[name] = chunked_logits(runner, _prompts(runner.vocab_size), SIZES)
+    mp.spawn(_rank_main, args=(size, str(tmp_path / "init"), jobs), nprocs=size, join=True)
+    return {name: (torch.load(out), single[name]) for name, (_, out) in zip(names, jobs, strict=True)}
+
+
+def _assert_equal(results) -> None:
+    for name, (tp, one) in results.items():
+        for sid in one:
+            torch.testing.assert_close(tp[sid], one[sid], atol=ATOL, rtol=0, msg=f"{name} sequence {sid}")
+
+
+def test_tp2_equals_tp1(tmp_path):
+    _assert_equal(_run_tp(2, TP2_FAMILIES, tmp_path))
+
+
+@pytest.mark.slow
+def test_tp4_with_replicated_kv_heads_equals_tp1(tmp_path):
+    _assert_equal(_run_tp(4, ["llama-gqa"], tmp_path))
+
+
+SMOL_PROMPT = "The history of the city begins in the year"
+
+
+def _smol_rank_main(rank: int, size: int, init_file: str, path: str, prompt: list[int], out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    try:
+        tokens, _ = greedy_tokens(_runner(path), prompt, 16)
+        if rank == 0:
+            torch.save(tokens, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_greedy_equals_tp1(smollm2_source, tmp_path):
+    prompt = smollm2_source.load_tokenizer()(SMOL_PROMPT)["input_ids"]
+    ref_tokens, ref_logits = greedy_tokens(_runner(smollm2_source.path), prompt, 16)
+    out = str(tmp_path / "tp3.pt")
+    mp.spawn(
+        _smol_rank_main,
+        args=(3, str(tmp_path / "init"), str(smollm2_source.path), prompt, out),
+        nprocs=3,
+        join=True,
+    )
+    assert_matches(torch.load(out), ref_tokens, ref_logits, what="SmolLM2 TP=3")
+
+
+def test_worker_runner_broadcasts_plans_and_stops_ranks(tmp_path):
+    """``tensor_parallel.start``: rank 0 here, rank 1 spawned; ``step`` with decode entries that carry
+    no token (as the scheduler sends them) samples the same greedy tokens as one process."""
+    from transformers import AutoConfig
+
+    from fuseserve.sampling_params import SamplingParams
+    from fuseserve.types import SeqChunk, StepPlan
+    from fuseserve.worker import parallel, tensor_parallel
+
+    tiny_checkpoint("qwen3-qknorm", tmp_path)
+    prompt = _prompts(512)[1]
+    ref_tokens, ref_logits = greedy_tokens(_runner(tmp_path), prompt, 8, chunk=len(prompt))
+    engine = EngineConfig(kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="float32")
+    runner = tensor_parallel.start(tmp_path, AutoConfig.from_pretrained(tmp_path), [0], engine, 2, threads=1)
+    try:
+        assert parallel.world() == (0, 2)
+        first = SeqChunk(7, 0, len(prompt), prompt, True, SamplingParams(temperature=0.0), len(prompt))
+        tokens = [runner.step(StepPlan(0, [first])).tokens[0].token_id]
+        for i in range(1, 8):
+            decode = SeqChunk(7, len(prompt) + i - 1, 1, [], True, None, len(prompt))
+            tokens.append(runner.step(StepPlan(i, [decode])).tokens[0].token_id)
+        runner.free([7])
+        assert runner.num_free_blocks == runner.info.num_blocks
+    finally:
+        runner.close()
+    assert parallel.world() == (0, 1)
+    assert all(not p.is_alive() for p in runner.followers)
+    assert_matches(tokens, ref_tokens, ref_logits, what="TP=2 worker runner")
