@@ -129,7 +129,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         ]
         if args.token_budget:
             engine += ["--token-budget", str(args.token_budget)]
-        stack.spawn("scheduler", [*common, "scheduler", "--redis-url", url, *engine])
+        overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
+        stack.spawn("scheduler", [*common, "scheduler", "--redis-url", url, *engine, *overlap])
         threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
         for i in range(args.workers):
             worker = [

@@ -51,6 +51,12 @@ def add_parsers(sub, engine_args) -> None:
     s.add_argument(
         "--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)"
     )
+    s.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="the scheduler sends a worker its next plan only after its current result (default: overlap)",
+    )
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -78,6 +84,12 @@ def add_parsers(sub, engine_args) -> None:
     c.add_argument("--policy", default="splitfuse", choices=["splitfuse", "prefill_first", "whole_prompt"])
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must match the workers)")
     c.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    c.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="send a worker its next plan only after its current result (default: overlap)",
+    )
     c.set_defaults(func=_scheduler)
 
     w = sub.add_parser("worker", help="a model worker (gRPC), registers itself in Redis")

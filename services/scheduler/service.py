@@ -1,9 +1,11 @@
-"""The scheduler service: Redis in, gRPC workers out, one SplitFuse plan per worker per step.
+"""The scheduler service: the engine core with Redis in and gRPC workers out.
 
 ``fuseserve scheduler --redis-url URL`` reads requests through the consumer group (acknowledging an
 entry only when its sequence finished, so a restarted scheduler re-claims unfinished ones), discovers
-workers from their Redis records as they come and go, runs ``EngineLoop`` steps over gRPC handles,
-and publishes each step's token events in one write per gateway (``fuseserve.messages``).
+workers from their Redis records as they come and go, polls the ``EngineCore`` (each worker stepped
+on its own, its next plan sent while its pass runs) and publishes the token events of each poll in
+one write per gateway (``fuseserve.messages``). It reads new requests only while its workers have
+room for them, so requests stay in the stream for a scheduler that has room.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fuseserve import messages
 from fuseserve.config import EngineConfig
 from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.scheduler.engine_loop import EngineLoop
+from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import GrpcWorker
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
@@ -36,6 +38,7 @@ DISCOVERY_INTERVAL_S = 0.5
 CONTROL_TRIM_INTERVAL_S = 10.0
 STATS_INTERVAL_S = 1.0
 IDLE_BLOCK_MS = 20
+BUSY_POLL_S = 0.02  # longest wait for a worker result before new requests and aborts are read
 
 
 @dataclass
@@ -47,7 +50,7 @@ class _Owner:
 
 class SchedulerMetrics:
     def __init__(self, port: int | None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
         self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
@@ -55,6 +58,18 @@ class SchedulerMetrics:
         self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
         self.preemptions = Counter(
             "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
+        )
+        self.cpu_per_step = Histogram(
+            "fuseserve_scheduler_cpu_seconds_per_worker_step",
+            "scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
+            registry=self.registry,
+            buckets=(2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05),
+        )
+        self.worker_idle = Histogram(
+            "fuseserve_scheduler_worker_idle_seconds",
+            "seconds a worker sat idle before a pass, as the workers report it",
+            registry=self.registry,
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
         )
         if port:
             start_http_server(port, registry=self.registry)
@@ -65,7 +80,7 @@ def _error_type(status: int) -> str:
 
 
 class SchedulerService:
-    """Owns the ``Scheduler``; single-threaded loop over Redis and gRPC."""
+    """Owns the ``EngineCore``; single-threaded loop over Redis and the core."""
 
     def __init__(
         self,
@@ -76,8 +91,7 @@ class SchedulerService:
     ):
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.config = config
-        self.scheduler = Scheduler(config, eos_token_ids=[])
-        self.loop = EngineLoop(self.scheduler, {})
+        self.core = EngineCore(config, eos_token_ids=[])
         self.consumer = consumer or f"{socket.gethostname()}-{int(time.time())}"
         self.owners: dict[int, _Owner] = {}
         self.metrics = SchedulerMetrics(metrics_port)
@@ -86,7 +100,11 @@ class SchedulerService:
         self._last_trim = 0.0
         self._no_worker_since: float | None = None
         self._control_id = "0-0"
-        self.step_overheads: list[float] = []  # seconds per step not spent in worker forward passes
+        self._cpu0 = time.process_time()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
 
     # ----- setup -----
     def _setup_streams(self) -> None:
@@ -123,16 +141,15 @@ class SchedulerService:
             if raw:
                 rec = messages.WorkerRecord.decode(raw)
                 records[rec.worker_id] = rec
-        for wid in list(self.loop.workers):
-            if wid not in records or records[wid].address != self.loop.workers[wid].record.address:
+        workers = self.core.workers
+        for wid in list(workers):
+            if wid not in records or records[wid].address != workers[wid].record.address:
                 log.warning("worker %s is gone; resuming its sequences elsewhere", wid)
-                self.scheduler.remove_worker(wid)
-                self.loop.workers.pop(wid).close()
+                self.core.remove_worker(wid)
+                workers[wid].close()
         for wid, rec in records.items():
-            if wid in self.loop.workers:
+            if wid in self.core.workers:
                 continue
-            if wid in self.scheduler.slots:  # removed by the loop after a failed step
-                self.scheduler.remove_worker(wid)
             handle = GrpcWorker(rec)
             try:
                 handle.reset()
@@ -141,10 +158,9 @@ class SchedulerService:
                 handle.close()
                 continue
             self.scheduler.eos_token_ids = set(rec.eos_token_ids)
-            self.scheduler.add_worker(
-                wid, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
+            self.core.add_worker(
+                wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
             )
-            self.loop.add_worker(wid, handle)
             log.info(
                 "worker %s joined at %s (%d blocks, budget %d)",
                 wid,
@@ -152,7 +168,7 @@ class SchedulerService:
                 rec.num_blocks,
                 self.scheduler.slots[wid].token_budget,
             )
-        self.metrics.workers.set(len(self.loop.workers))
+        self.metrics.workers.set(len(self.core.workers))
 
     # ----- requests -----
     def _add_requests(self, entries) -> None:
@@ -167,7 +183,7 @@ class SchedulerService:
             try:
                 params = SamplingParams.from_dict(msg.params)
                 seq = Sequence(msg.seq_id, msg.prompt_token_ids, params)
-                self.scheduler.add(seq)
+                self.core.add_request(seq)
             except FuseServeError as e:
                 errors[msg.gateway_id].append(
                     messages.TokenMessage(
@@ -181,9 +197,19 @@ class SchedulerService:
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
         self._publish(errors)
 
+    def room(self) -> int:
+        """New sequences this scheduler's workers could take now (pull-based reading): free
+        sequence slots of its workers, less the sequences already waiting."""
+        cap = self.config.max_num_seqs
+        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values())
+        return free - len(self.scheduler.waiting)
+
     def _read_requests(self, block_ms: int | None) -> None:
+        count = min(256, self.room())
+        if count <= 0:
+            return
         resp = self.r.xreadgroup(
-            messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=256, block=block_ms
+            messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=count, block=block_ms
         )
         for _, entries in resp or []:
             self._add_requests(entries)
@@ -200,7 +226,7 @@ class SchedulerService:
                 msg = messages.ControlMessage.decode(fields)
                 if msg.kind == "abort" and msg.seq_id in self.owners:
                     reason = FinishReason.STOP if msg.reason == "stop" else FinishReason.ABORT
-                    self.scheduler.abort(msg.seq_id, reason)
+                    self.core.abort(msg.seq_id, reason)
                     self._finish(msg.seq_id)
 
     # ----- outputs -----
@@ -260,50 +286,76 @@ class SchedulerService:
 
     # ----- loop -----
     def run_once(self) -> None:
-        """One iteration: discovery (periodic), control, new requests, one engine step, stats."""
+        """One iteration: discovery (periodic), control, new requests, one poll of the core, stats."""
         now = time.monotonic()
         if now - self._last_discovery >= DISCOVERY_INTERVAL_S:
             self.discover()
             self._last_discovery = now
         self._read_control()
-        busy = self.scheduler.has_work and bool(self.loop.workers)
+        busy = self.core.has_work and bool(self.scheduler.slots)
         self._read_requests(None if busy else IDLE_BLOCK_MS)
-        if self.scheduler.has_work and self.loop.workers:
-            t0 = time.perf_counter()
+        if self.core.has_work and self.scheduler.slots:
             preempted = self.scheduler.num_preemptions
-            events = self.loop.step()
+            idle_seen = len(self.core.stats.idle_s)
+            events = self.core.poll(timeout=BUSY_POLL_S)
             self._publish_events(events)
-            elapsed = time.perf_counter() - t0
-            plans = self.loop.last_plans
-            if plans:  # tokens and seconds per pass are the workers' metrics; this is the path's cost
-                forward = max(self.loop.last_forward_seconds.values(), default=0.0)
-                self.step_overheads.append(elapsed - forward)
-                del self.step_overheads[:-10000]
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+            for idle in list(self.core.stats.idle_s)[idle_seen:]:
+                self.metrics.worker_idle.observe(idle)
+            n = self.core.num_completions
+            if n:  # the process's CPU since the last worker-steps, spread over these
+                cpu = time.process_time()
+                self.stats_cpu(cpu - self._cpu0, n)
+                self._cpu0 = cpu
+        else:
+            self._cpu0 = time.process_time()
         self._fail_if_no_worker(now)
         if now - self._last_trim >= CONTROL_TRIM_INTERVAL_S:
             self._trim_control()
             self._last_trim = now
         if now - self._last_stats >= STATS_INTERVAL_S:
-            waiting, running = len(self.scheduler.waiting), self.scheduler.num_running
-            workers = {
-                name: {
-                    "admitted": s.num_admitted,
-                    "running": len(s.running),
-                    "free_blocks": s.account.num_free,
-                    "num_blocks": s.account.num_blocks,
-                }
-                for name, s in self.scheduler.slots.items()
-            }
-            stats = {"waiting": waiting, "running": running, "time": time.time(), "workers": workers}
-            self.r.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
-            self.metrics.queue_depth.set(waiting)
-            self.metrics.running.set(running)
+            self._write_stats()
             self._last_stats = now
+
+    def stats_cpu(self, seconds: float, num_steps: int) -> None:
+        """Record ``seconds`` of scheduler CPU for ``num_steps`` worker-steps."""
+        per = seconds / num_steps
+        self.core.stats.cpu_s.extend([per] * num_steps)
+        while len(self.core.stats.cpu_s) > self.core.stats.window:
+            self.core.stats.cpu_s.popleft()
+        for _ in range(num_steps):
+            self.metrics.cpu_per_step.observe(per)
+
+    def _write_stats(self) -> None:
+        waiting, running = len(self.scheduler.waiting), self.scheduler.num_running
+        workers = {
+            name: {
+                "admitted": s.num_admitted,
+                "running": len(s.running),
+                "free_blocks": s.account.num_free,
+                "num_blocks": s.account.num_blocks,
+            }
+            for name, s in self.scheduler.slots.items()
+        }
+        cpu50, cpu99 = self.core.stats.cpu_per_step_ms()
+        idle50, idle99 = self.core.stats.idle_ms()
+        stats = {
+            "waiting": waiting,
+            "running": running,
+            "time": time.time(),
+            "workers": workers,
+            "worker_steps": self.core.stats.num_worker_steps,
+            "cpu_ms_per_worker_step": {"p50": cpu50, "p99": cpu99},
+            "worker_idle_ms": {"p50": idle50, "p99": idle99},
+            "surplus_tokens": self.scheduler.num_surplus_tokens,
+        }
+        self.r.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
+        self.metrics.queue_depth.set(waiting)
+        self.metrics.running.set(running)
 
     def _fail_if_no_worker(self, now: float) -> None:
         """Requests waiting while no worker has been alive for ``NO_WORKER_GRACE_S`` fail with a 503."""
-        if self.loop.workers or not self.scheduler.waiting:
+        if self.scheduler.slots or not self.scheduler.waiting:
             self._no_worker_since = None
             return
         if self._no_worker_since is None:
@@ -352,6 +404,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         policy=args.policy,
         block_size=args.block_size,
+        overlap=getattr(args, "overlap", True),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()

@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 import uuid
 from concurrent import futures
 
@@ -28,15 +29,35 @@ from fuseserve.proto import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
+#: seconds a plan waits for its predecessor (a lower step_id) before it runs anyway
+ORDER_WAIT_S = 5.0
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
-    """gRPC face of a ``ModelRunner``; steps run one at a time (the runner is not re-entrant)."""
+    """gRPC face of a ``ModelRunner``; steps run one at a time (the runner is not re-entrant).
+
+    A scheduler with overlap sends a worker's next plan while the current one runs, so two Step
+    calls can be in the server at once; they run in ``step_id`` order (numbered 0, 1, ... from the
+    scheduler's ``Free(all)``): a plan whose predecessor has not arrived waits for it up to
+    ``ORDER_WAIT_S``. The gap between the end of one pass and the start of the next is reported as
+    ``idle_seconds``.
+    """
 
     def __init__(self, runner, worker_id: str, model_name: str, metrics=None):
         self.runner = runner
         self.worker_id = worker_id
         self.model_name = model_name
         self.metrics = metrics
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._next_step: int | None = None  # step_id expected next; None: any (no scheduler yet)
+        self._last_end: float | None = None  # perf_counter at the end of the last pass
+
+    def _wait_turn(self, step_id: int) -> None:
+        """With the lock held: wait until every plan numbered below ``step_id`` has run."""
+        if self._next_step is None or step_id <= self._next_step:
+            return
+        if not self._lock.wait_for(lambda: step_id <= self._next_step, timeout=ORDER_WAIT_S):
+            log.warning("step %d ran without step %d (never arrived)", step_id, self._next_step)
 
     def Info(self, request, context):
         i = self.runner.info
@@ -55,20 +76,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Step(self, request, context):
         plan = convert.step_plan_from_proto(request)
         with self._lock:
+            self._wait_turn(plan.step_id)
+            start = time.perf_counter()
+            idle = None if self._last_end is None else start - self._last_end
             try:
                 result = self.runner.step(plan)
             except Exception as e:  # a bad plan must not kill the worker; the scheduler sees the error
                 log.exception("step %d failed", plan.step_id)
+                self._end_step(plan.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            self._end_step(plan.step_id)
             free = self.runner.num_free_blocks
+        result.idle_seconds = idle
         if self.metrics is not None:
-            self.metrics.observe_step(plan.num_tokens, result.forward_seconds, free)
+            self.metrics.observe_step(plan.num_tokens, result.forward_seconds, free, idle)
         return convert.step_result_to_proto(result, free)
+
+    def _end_step(self, step_id: int) -> None:
+        self._last_end = time.perf_counter()
+        self._next_step = step_id + 1
+        self._lock.notify_all()
 
     def Free(self, request, context):
         with self._lock:
             ids = list(self.runner.seqs) if request.all else list(request.seq_ids)
             self.runner.free(ids)
+            if request.all:  # a scheduler takes over: its plans are numbered from 0
+                self._next_step = 0
+                self._last_end = None
+                self._lock.notify_all()
             return pb.FreeResponse(num_free_blocks=self.runner.num_free_blocks)
 
     def Health(self, request, context):
@@ -81,7 +117,7 @@ class WorkerMetrics:
     """Prometheus metrics of one worker (served on ``--metrics-port``)."""
 
     def __init__(self, worker_id: str, port: int):
-        from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
         self.free_blocks = Gauge(
@@ -96,12 +132,26 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             "fuseserve_step_seconds", "seconds per step on the worker", registry=self.registry
         )
+        self.idle_seconds = Histogram(
+            "fuseserve_worker_idle_seconds",
+            "seconds between the end of a pass and the start of the next",
+            registry=self.registry,
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
+        )
+        self.busy_seconds = Counter(
+            "fuseserve_worker_busy_seconds_total", "seconds spent in passes", registry=self.registry
+        )
         start_http_server(port, registry=self.registry)
 
-    def observe_step(self, tokens: int, seconds: float, free_blocks: int) -> None:
+    def observe_step(self, tokens: int, seconds: float, free_blocks: int, idle: float | None = None) -> None:
+        """Record one pass: ``tokens`` in it, its ``seconds``, ``free_blocks`` after it, and the
+        ``idle`` seconds before it (None: not measured)."""
         self.step_tokens.observe(tokens)
         self.step_seconds.observe(seconds)
+        self.busy_seconds.inc(seconds)
         self.free_blocks.set(free_blocks)
+        if idle is not None:
+            self.idle_seconds.observe(idle)
 
 
 def run_worker(args: argparse.Namespace) -> int:
