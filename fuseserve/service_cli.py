@@ -46,6 +46,13 @@ def add_parsers(sub, engine_args) -> None:
     )
     engine_args(s)
     s.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
+    s.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="scheduler processes; each drives its share of the workers and takes over a dead one's "
+        "(default: 1)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="gateway host (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
     s.add_argument(

@@ -6,6 +6,12 @@ workers from their Redis records as they come and go, polls the ``EngineCore`` (
 on its own, its next plan sent while its pass runs) and publishes the token events of each poll in
 one write per gateway (``fuseserve.messages``). It reads new requests only while its workers have
 room for them, so requests stay in the stream for a scheduler that has room.
+
+Several schedulers can run (``fuseserve serve --schedulers N``, compose ``--scale scheduler=N``): each
+drives the workers it holds a lease on (``messages.worker_lease_key``), claims unleased ones up to its
+share, and takes over a dead scheduler's workers when their leases expire and its pending requests
+when they have been idle ``messages.CLAIM_IDLE_MS`` (XAUTOCLAIM). A taken-over request is recomputed
+from its prompt; its tokens carry their index, so the gateway drops those it already sent.
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import signal
 import socket
 import threading
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -35,10 +44,24 @@ from fuseserve.scheduler.sequence import FinishReason, Sequence
 log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL_S = 0.5
+CLAIM_INTERVAL_S = 1.0  # how often pending requests of dead schedulers are looked for
 CONTROL_TRIM_INTERVAL_S = 10.0
+CONTROL_KEEP_S = 120.0  # control entries younger than this are kept (other schedulers may not have read them)
 STATS_INTERVAL_S = 1.0
 IDLE_BLOCK_MS = 20
 BUSY_POLL_S = 0.02  # longest wait for a worker result before new requests and aborts are read
+
+
+#: extend a lease only while this scheduler holds it
+_RENEW_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+return 0
+"""
+#: delete a lease only while this scheduler holds it
+_RELEASE_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
 
 
 @dataclass
@@ -92,8 +115,13 @@ class SchedulerService:
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.config = config
         self.core = EngineCore(config, eos_token_ids=[])
-        self.consumer = consumer or f"{socket.gethostname()}-{int(time.time())}"
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owners: dict[int, _Owner] = {}
+        self._leased: set[str] = set()  # workers this scheduler holds a lease on
+        self._lost_leases: set[str] = set()  # leases the heartbeat could not renew (another took them)
+        self._renew = self.r.register_script(_RENEW_LUA)
+        self._release = self.r.register_script(_RELEASE_LUA)
+        self._last_claim = 0.0
         self.metrics = SchedulerMetrics(metrics_port)
         self._last_discovery = 0.0
         self._last_stats = 0.0
@@ -113,28 +141,44 @@ class SchedulerService:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-        # re-claim what a previous scheduler left unfinished (its pending entries)
-        start = "0-0"
-        while True:
-            start, entries, *_ = self.r.xautoclaim(
-                messages.REQUESTS,
-                messages.SCHEDULER_GROUP,
-                self.consumer,
-                min_idle_time=0,
-                start_id=start,
-                count=100,
-            )
-            self._add_requests(entries)
-            if start == "0-0" or not entries:
-                break
         # aborts sent while no scheduler ran apply to the re-claimed requests (processed entries are
         # trimmed as we go, so this reads only what nobody handled)
         self._control_id = "0-0"
         self._read_control()
 
+    def claim_orphans(self) -> None:
+        """Take over pending requests of dead schedulers (idle ``CLAIM_IDLE_MS``), as many as there
+        is room for. Live schedulers keep theirs fresh (``touch_pending``)."""
+        start = "0-0"
+        while self.room() > 0:
+            start, entries, *_ = self.r.xautoclaim(
+                messages.REQUESTS,
+                messages.SCHEDULER_GROUP,
+                self.consumer,
+                min_idle_time=messages.CLAIM_IDLE_MS,
+                start_id=start,
+                count=min(100, self.room()),
+            )
+            if entries:
+                log.warning("took over %d requests of a dead scheduler", len(entries))
+            self._add_requests(entries)
+            if start == "0-0" or not entries:
+                break
+
+    def touch_pending(self) -> None:
+        """Re-deliver this scheduler's pending entries to itself (resets their idle time), so no other
+        scheduler takes them over while this one lives."""
+        ids = [o.entry_id for o in list(self.owners.values())]
+        for i in range(0, len(ids), 500):
+            self.r.xclaim(
+                messages.REQUESTS, messages.SCHEDULER_GROUP, self.consumer, 0, ids[i : i + 500], justid=True
+            )
+
     # ----- workers -----
     def discover(self) -> None:
-        """Add workers whose Redis record appeared; remove those whose record expired."""
+        """Follow the worker records: drop workers whose record expired, moved, or whose lease was
+        lost; claim unleased workers up to this scheduler's share; give an idle worker back when
+        holding more than the share."""
         records = {}
         for key in self.r.scan_iter(match=f"{messages.WORKER_PREFIX}*", count=100):
             raw = self.r.get(key)
@@ -143,20 +187,28 @@ class SchedulerService:
                 records[rec.worker_id] = rec
         workers = self.core.workers
         for wid in list(workers):
-            if wid not in records or records[wid].address != workers[wid].record.address:
-                log.warning("worker %s is gone; resuming its sequences elsewhere", wid)
-                self.core.remove_worker(wid)
-                workers[wid].close()
+            lost = wid in self._lost_leases
+            if wid not in records or records[wid].address != workers[wid].record.address or lost:
+                log.warning("worker %s is gone%s; resuming its sequences elsewhere", wid, " (lease lost)" * lost)
+                self._drop_worker(wid)
+        self._lost_leases.clear()
+        live = sum(1 for _ in self.r.scan_iter(match=messages.scheduler_live_key("*"), count=100))
+        share = math.ceil(len(records) / max(1, live))
         for wid, rec in records.items():
-            if wid in self.core.workers:
+            if wid in self.core.workers or len(self.core.workers) >= share:
                 continue
+            lease = messages.worker_lease_key(wid)
+            if not self.r.set(lease, self.consumer, nx=True, px=messages.SCHEDULER_TTL_S * 1000):
+                continue  # another scheduler drives it
             handle = GrpcWorker(rec)
             try:
-                handle.reset()
+                handle.reset()  # a previous scheduler's sequences are gone with it
             except grpc.RpcError as e:
                 log.warning("worker %s at %s unreachable: %s", wid, rec.address, e.code())
                 handle.close()
+                self._release(keys=[lease], args=[self.consumer])
                 continue
+            self._leased.add(wid)
             self.scheduler.eos_token_ids = set(rec.eos_token_ids)
             self.core.add_worker(
                 wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
@@ -168,7 +220,23 @@ class SchedulerService:
                 rec.num_blocks,
                 self.scheduler.slots[wid].token_budget,
             )
+        if len(self.core.workers) > share:  # another scheduler has fewer: hand over an idle worker
+            for wid, slot in list(self.scheduler.slots.items()):
+                if not (slot.running or slot.inflight or slot.pending_free):
+                    log.info("handing worker %s over (share %d)", wid, share)
+                    self._drop_worker(wid)
+                    break
         self.metrics.workers.set(len(self.core.workers))
+
+    def _drop_worker(self, wid: str) -> None:
+        """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
+        handle = self.core.workers.get(wid)
+        self.core.remove_worker(wid)
+        if handle is not None:
+            handle.close()
+        if wid in self._leased:
+            self._leased.discard(wid)
+            self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
 
     # ----- requests -----
     def _add_requests(self, entries) -> None:
@@ -204,22 +272,32 @@ class SchedulerService:
         free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values())
         return free - len(self.scheduler.waiting)
 
-    def _read_requests(self, block_ms: int | None) -> None:
+    def _read_inputs(self, block_ms: int | None) -> None:
+        """Aborts from the control stream and, while there is room, new requests: one round trip
+        (blocking up to ``block_ms`` for requests when idle; None: do not block)."""
         count = min(256, self.room())
-        if count <= 0:
-            return
-        resp = self.r.xreadgroup(
-            messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=count, block=block_ms
-        )
-        for _, entries in resp or []:
-            self._add_requests(entries)
+        pipe = self.r.pipeline(transaction=False)
+        # with no room, wait on the control stream instead (an idle loop must not spin)
+        pipe.xread({messages.CONTROL: self._control_id}, count=1000, block=None if count > 0 else block_ms)
+        if count > 0:
+            pipe.xreadgroup(
+                messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=count, block=block_ms
+            )
+        control, *requests = pipe.execute()
+        self._apply_control(control)
+        for resp in requests:
+            for _, entries in resp or []:
+                self._add_requests(entries)
 
     def _trim_control(self) -> None:
-        if self._control_id != "0-0":
-            self.r.xtrim(messages.CONTROL, minid=self._control_id, approximate=True)
+        """Drop control entries older than ``CONTROL_KEEP_S`` (every scheduler has read them by then)."""
+        oldest_ms = int((time.time() - CONTROL_KEEP_S) * 1000)
+        self.r.xtrim(messages.CONTROL, minid=f"{oldest_ms}-0", approximate=True)
 
     def _read_control(self) -> None:
-        resp = self.r.xread({messages.CONTROL: self._control_id}, count=1000)
+        self._apply_control(self.r.xread({messages.CONTROL: self._control_id}, count=1000))
+
+    def _apply_control(self, resp) -> None:
         for _, entries in resp or []:
             for entry_id, fields in entries:
                 self._control_id = entry_id
@@ -291,9 +369,11 @@ class SchedulerService:
         if now - self._last_discovery >= DISCOVERY_INTERVAL_S:
             self.discover()
             self._last_discovery = now
-        self._read_control()
+        if now - self._last_claim >= CLAIM_INTERVAL_S:
+            self.claim_orphans()
+            self._last_claim = now
         busy = self.core.has_work and bool(self.scheduler.slots)
-        self._read_requests(None if busy else IDLE_BLOCK_MS)
+        self._read_inputs(None if busy else IDLE_BLOCK_MS)
         if self.core.has_work and self.scheduler.slots:
             preempted = self.scheduler.num_preemptions
             idle_seen = len(self.core.stats.idle_s)
@@ -348,8 +428,13 @@ class SchedulerService:
             "cpu_ms_per_worker_step": {"p50": cpu50, "p99": cpu99},
             "worker_idle_ms": {"p50": idle50, "p99": idle99},
             "surplus_tokens": self.scheduler.num_surplus_tokens,
+            "scheduler": self.consumer,
+            "pid": os.getpid(),
         }
-        self.r.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
+        pipe.set(messages.scheduler_stats_key(self.consumer), json.dumps(stats), ex=10)
+        pipe.execute()
         self.metrics.queue_depth.set(waiting)
         self.metrics.running.set(running)
 
@@ -369,13 +454,34 @@ class SchedulerService:
             self._publish_events(self.scheduler.fail_waiting("no worker is available", 503))
 
     def heartbeat(self, stop: threading.Event) -> None:
-        """Keep ``SCHEDULER_HEARTBEAT`` alive from a thread of its own (a long step must not stop it)."""
+        """From a thread of its own (a long step must not stop it), every ``HEARTBEAT_S``: keep
+        ``SCHEDULER_HEARTBEAT`` and this scheduler's liveness key alive, renew its worker leases
+        (noting any it lost) and keep its pending requests fresh."""
+        ttl = messages.SCHEDULER_TTL_S
         while not stop.is_set():
             try:
-                self.r.set(messages.SCHEDULER_HEARTBEAT, self.consumer, ex=messages.SCHEDULER_TTL_S)
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(messages.SCHEDULER_HEARTBEAT, self.consumer, ex=ttl)
+                pipe.set(messages.scheduler_live_key(self.consumer), os.getpid(), ex=ttl)
+                pipe.execute()
+                for wid in list(self._leased):
+                    key = messages.worker_lease_key(wid)
+                    if not self._renew(keys=[key], args=[self.consumer, ttl * 1000]):
+                        self._lost_leases.add(wid)
+                self.touch_pending()
             except redis.RedisError as e:
                 log.warning("scheduler heartbeat failed: %s", e)
             stop.wait(messages.HEARTBEAT_S)
+
+    def close(self) -> None:
+        """Give up this scheduler's worker leases and liveness key (a clean stop: others take over at once)."""
+        for wid in list(self._leased):
+            self._drop_worker(wid)
+        try:
+            self.r.delete(messages.scheduler_live_key(self.consumer))
+        except redis.RedisError:
+            pass
+        self.core.close()
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""
@@ -412,4 +518,5 @@ def run_scheduler(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print("fuseserve scheduler ready", flush=True)
     service.run(stop)
+    service.close()
     return 0

@@ -39,8 +39,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     A scheduler with overlap sends a worker's next plan while the current one runs, so two Step
     calls can be in the server at once; they run in ``step_id`` order (numbered 0, 1, ... from the
     scheduler's ``Free(all)``): a plan whose predecessor has not arrived waits for it up to
-    ``ORDER_WAIT_S``. The gap between the end of one pass and the start of the next is reported as
-    ``idle_seconds``.
+    ``ORDER_WAIT_S``. A plan that arrived before the last ``Free(all)`` (a dead scheduler's, queued
+    behind a pass) or whose caller is gone is refused with ABORTED. The gap between the end of one
+    pass and the start of the next is reported as ``idle_seconds``.
     """
 
     def __init__(self, runner, worker_id: str, model_name: str, metrics=None):
@@ -51,12 +52,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._lock = threading.Condition()
         self._next_step: int | None = None  # step_id expected next; None: any (no scheduler yet)
         self._last_end: float | None = None  # perf_counter at the end of the last pass
+        self._epoch = 0  # Free(all) calls so far: a scheduler (re)starting its session
 
-    def _wait_turn(self, step_id: int) -> None:
-        """With the lock held: wait until every plan numbered below ``step_id`` has run."""
+    def _wait_turn(self, step_id: int, epoch: int) -> None:
+        """With the lock held: wait until every plan numbered below ``step_id`` has run (or a
+        ``Free(all)`` ended the session the plan belongs to)."""
         if self._next_step is None or step_id <= self._next_step:
             return
-        if not self._lock.wait_for(lambda: step_id <= self._next_step, timeout=ORDER_WAIT_S):
+        ready = lambda: step_id <= self._next_step or epoch != self._epoch  # noqa: E731
+        if not self._lock.wait_for(ready, timeout=ORDER_WAIT_S):
             log.warning("step %d ran without step %d (never arrived)", step_id, self._next_step)
 
     def Info(self, request, context):
@@ -75,8 +79,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def Step(self, request, context):
         plan = convert.step_plan_from_proto(request)
+        epoch = self._epoch  # plans sent before a Free(all) belong to a scheduler that is gone
         with self._lock:
-            self._wait_turn(plan.step_id)
+            self._wait_turn(plan.step_id, epoch)
+            if epoch != self._epoch or not context.is_active():
+                context.abort(grpc.StatusCode.ABORTED, "plan of a previous scheduler session")
             start = time.perf_counter()
             idle = None if self._last_end is None else start - self._last_end
             try:
@@ -102,6 +109,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             ids = list(self.runner.seqs) if request.all else list(request.seq_ids)
             self.runner.free(ids)
             if request.all:  # a scheduler takes over: its plans are numbered from 0
+                self._epoch += 1
                 self._next_step = 0
                 self._last_end = None
                 self._lock.notify_all()
