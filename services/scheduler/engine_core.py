@@ -82,32 +82,28 @@ class _Lane:
             self._pool.shutdown(wait=False)
 
 
+STATS_WINDOW = 20_000  # worker-steps kept in ``CoreStats``
+
+
 @dataclass
 class CoreStats:
-    """Measured costs, the last ``window`` worker-steps.
+    """Measured costs over the last ``STATS_WINDOW`` worker-steps.
 
-    cpu_s: scheduler CPU seconds per worker-step (postprocess + next plan + hand-off; adapters add
-        their own I/O with ``add_cpu``). idle_s: seconds a worker sat idle before a pass, as it
-        reported (``StepResult.idle_seconds``).
+    cpu_s: scheduler CPU seconds per worker-step (postprocess + next plan + hand-off, measured by
+        ``poll`` on its own thread; an adapter that measures its whole process instead records with
+        ``add_cpu``). idle_s: seconds a worker sat idle before a pass, as it reported
+        (``StepResult.idle_seconds``).
     """
 
-    window: int = 20_000
-    cpu_s: deque = field(default_factory=deque)
-    idle_s: deque = field(default_factory=deque)
+    cpu_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    idle_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     num_worker_steps: int = 0
+    num_idle: int = 0  # idle times recorded so far (``idle_s`` keeps the last ones)
 
     def add_cpu(self, seconds: float, num_steps: int) -> None:
         """Spread ``seconds`` of CPU over ``num_steps`` worker-steps."""
-        if num_steps <= 0:
-            return
-        self.cpu_s.extend([seconds / num_steps] * num_steps)
-        while len(self.cpu_s) > self.window:
-            self.cpu_s.popleft()
-
-    def add_idle(self, seconds: float) -> None:
-        self.idle_s.append(seconds)
-        if len(self.idle_s) > self.window:
-            self.idle_s.popleft()
+        if num_steps > 0:
+            self.cpu_s.extend([seconds / num_steps] * num_steps)
 
     @staticmethod
     def _p50_p99_ms(xs) -> tuple[float, float]:
@@ -197,11 +193,13 @@ class EngineCore:
         self._done.put(_WAKE)
 
     # ----- stepping -----
-    def poll(self, timeout: float | None = None) -> list[TokenEvent]:
+    def poll(self, timeout: float | None = None, record_cpu: bool = True) -> list[TokenEvent]:
         """Send plans to workers with room, wait up to ``timeout`` seconds for results, apply every
         result that has arrived (each worker's next plan goes out as soon as its result is applied).
 
         Returns the token events of the applied results (empty on timeout or ``wakeup``).
+        ``record_cpu``: add this call's CPU per worker-step to ``stats`` (off when the caller
+        measures its whole process).
         """
         t0 = time.thread_time()  # CPU of this thread only: time blocked waiting is not counted
         self.last_plans = {}
@@ -223,7 +221,8 @@ class EngineCore:
             except queue.Empty:
                 break
         self._dispatch()
-        self.stats.add_cpu(time.thread_time() - t0, self.num_completions)
+        if record_cpu:
+            self.stats.add_cpu(time.thread_time() - t0, self.num_completions)
         return events
 
     def step(self) -> list[TokenEvent]:
@@ -287,7 +286,8 @@ class EngineCore:
         self.stats.num_worker_steps += 1
         idle = getattr(result, "idle_seconds", None)
         if idle is not None and idle >= 0:
-            self.stats.add_idle(idle)
+            self.stats.idle_s.append(idle)
+            self.stats.num_idle += 1
         return self.scheduler.postprocess(name, result)
 
     def _dispatch(self) -> None:

@@ -111,6 +111,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.policy: Policy = get_policy(config.policy)
         self.slots: dict[str, WorkerSlot] = {}
+        self._max_model_len = 1 << 30
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.seqs: dict[int, Sequence] = {}
         self._admit_counter = itertools.count()
@@ -141,6 +142,7 @@ class Scheduler:
             raise SchedulerError(f"worker {name} is already registered")
         slot = WorkerSlot(name, BlockAccount(num_blocks, block_size), budget, max_model_len, handle)
         self.slots[name] = slot
+        self._workers_changed()
         return slot
 
     def remove_worker(self, name: str) -> list[Sequence]:
@@ -148,6 +150,7 @@ class Scheduler:
         slot = self.slots.pop(name, None)
         if slot is None:
             return []
+        self._workers_changed()
         moved = list(slot.running)
         for seq in reversed(moved):
             self._to_waiting(seq)
@@ -157,7 +160,11 @@ class Scheduler:
     # ----- requests -----
     @property
     def max_model_len(self) -> int:
-        return min((s.max_model_len for s in self.slots.values()), default=1 << 30)
+        """The shortest context window of the workers, in tokens (kept as workers come and go)."""
+        return self._max_model_len
+
+    def _workers_changed(self) -> None:
+        self._max_model_len = min((s.max_model_len for s in self.slots.values()), default=1 << 30)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence. Raises ``ContextLengthExceededError`` / ``InvalidRequestError``."""

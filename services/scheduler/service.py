@@ -336,21 +336,25 @@ class SchedulerService:
             )
             if ev.finish_reason is not None:
                 finished.append(ev.seq_id)
-        self._publish(by_gateway)
-        for sid in finished:
-            self._finish(sid)
+        done = [self.owners.pop(sid).entry_id for sid in finished if sid in self.owners]
+        self._publish(by_gateway, done)
 
-    def _publish(self, by_gateway: dict[str, list[messages.TokenMessage]]) -> None:
-        if not by_gateway:
+    def _publish(self, by_gateway: dict[str, list[messages.TokenMessage]], ack_ids: list[str] = ()) -> None:
+        """One round trip: one batched write per gateway, then acknowledge (and delete) the request
+        entries of finished sequences (after their last token is written)."""
+        if not by_gateway and not ack_ids:
             return
         pipe = self.r.pipeline(transaction=False)
-        for gw, evs in by_gateway.items():  # one batched write per gateway per step
+        for gw, evs in by_gateway.items():
             pipe.xadd(
                 messages.responses_stream(gw),
                 messages.encode_events(evs),
                 maxlen=messages.RESPONSE_STREAM_MAXLEN,
                 approximate=True,
             )
+        if ack_ids:
+            pipe.xack(messages.REQUESTS, messages.SCHEDULER_GROUP, *ack_ids)
+            pipe.xdel(messages.REQUESTS, *ack_ids)
         pipe.execute()
 
     def _finish(self, seq_id: int) -> None:
@@ -376,11 +380,12 @@ class SchedulerService:
         self._read_inputs(None if busy else IDLE_BLOCK_MS)
         if self.core.has_work and self.scheduler.slots:
             preempted = self.scheduler.num_preemptions
-            idle_seen = len(self.core.stats.idle_s)
-            events = self.core.poll(timeout=BUSY_POLL_S)
+            idle_seen = self.core.stats.num_idle
+            events = self.core.poll(timeout=BUSY_POLL_S, record_cpu=False)
             self._publish_events(events)
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
-            for idle in list(self.core.stats.idle_s)[idle_seen:]:
+            new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
+            for idle in list(self.core.stats.idle_s)[len(self.core.stats.idle_s) - new_idle :]:
                 self.metrics.worker_idle.observe(idle)
             n = self.core.num_completions
             if n:  # the process's CPU since the last worker-steps, spread over these
@@ -398,13 +403,10 @@ class SchedulerService:
             self._last_stats = now
 
     def stats_cpu(self, seconds: float, num_steps: int) -> None:
-        """Record ``seconds`` of scheduler CPU for ``num_steps`` worker-steps."""
-        per = seconds / num_steps
-        self.core.stats.cpu_s.extend([per] * num_steps)
-        while len(self.core.stats.cpu_s) > self.core.stats.window:
-            self.core.stats.cpu_s.popleft()
+        """Record ``seconds`` of this process's CPU for ``num_steps`` worker-steps (stats + metric)."""
+        self.core.stats.add_cpu(seconds, num_steps)
         for _ in range(num_steps):
-            self.metrics.cpu_per_step.observe(per)
+            self.metrics.cpu_per_step.observe(seconds / num_steps)
 
     def _write_stats(self) -> None:
         waiting, running = len(self.scheduler.waiting), self.scheduler.num_running

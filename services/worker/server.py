@@ -94,6 +94,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
             self._end_step(plan.step_id)
             free = self.runner.num_free_blocks
+        time.sleep(0)  # hand the GIL to a plan queued behind this one: its pass starts now
         result.idle_seconds = idle
         if self.metrics is not None:
             self.metrics.observe_step(plan.num_tokens, result.forward_seconds, free, idle)
