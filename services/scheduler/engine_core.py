@@ -78,8 +78,9 @@ class _Lane:
         self._done.put((self, step_id, e if e is not None else fut.result()))
 
     def close(self) -> None:
+        """Drop plans not started; wait for the one running (a thread must not die inside a pass)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 STATS_WINDOW = 20_000  # worker-steps kept in ``CoreStats``
