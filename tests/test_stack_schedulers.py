@@ -58,21 +58,34 @@ def ask_streamed(client, prompt) -> tuple[str, int]:
     return text, usage
 
 
-def scheduler_owning_work(stack) -> str:
-    """The name of a scheduler process that holds workers with running sequences."""
+def busiest_scheduler(stack) -> str:
+    """The process name of the scheduler holding the most unfinished requests (its pending entries
+    in the consumer group), once one holds some."""
     import redis
 
     r = redis.Redis.from_url(stack.redis.url, decode_responses=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for key in r.scan_iter(match=f"{messages.SCHEDULER_STATS}:*"):
-            raw = r.get(key)
-            stats = json.loads(raw) if raw else {}
-            if stats.get("running", 0) > 0:
-                pid = stats["pid"]
-                return next(name for name, p in stack.procs if p.pid == pid)
-        time.sleep(0.1)
-    raise AssertionError("no scheduler is running sequences")
+        pending = r.xpending(messages.REQUESTS, messages.SCHEDULER_GROUP)
+        consumers = [c for c in pending["consumers"] if c["pending"] > 0]
+        if consumers:
+            consumer = max(consumers, key=lambda c: c["pending"])["name"]
+            pid = int(consumer.rsplit("-", 2)[1])  # consumer names are host-pid-suffix
+            return next(name for name, p in stack.procs if p.pid == pid)
+        time.sleep(0.05)
+    raise AssertionError("no scheduler holds a request")
+
+
+def stats_of_live_schedulers(stack) -> list[dict]:
+    import redis
+
+    r = redis.Redis.from_url(stack.redis.url, decode_responses=True)
+    out = []
+    for key in r.scan_iter(match=f"{messages.SCHEDULER_STATS}:*"):
+        raw = r.get(key)
+        if raw:
+            out.append(json.loads(raw))
+    return out
 
 
 @pytest.mark.slow
@@ -85,7 +98,8 @@ def test_killed_scheduler_workers_and_requests_taken_over(stack):
     assert all(n == NEW_TOKENS for _, n in baseline)
     with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as ex:
         futures = [ex.submit(ask_streamed, client, p) for p in PROMPTS]
-        victim = scheduler_owning_work(stack)
+        victim = busiest_scheduler(stack)
+        time.sleep(1.0)  # tokens are flowing
         proc = next(p for name, p in stack.procs if name == victim)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -95,3 +109,5 @@ def test_killed_scheduler_workers_and_requests_taken_over(stack):
     # identical text: no token lost, none repeated (a token sent twice would show in the text);
     # usage counts every token once
     assert got == baseline
+    time.sleep(1.5)  # stats are written once a second
+    assert sum(s.get("taken_over", 0) for s in stats_of_live_schedulers(stack) if s["pid"] != proc.pid) > 0

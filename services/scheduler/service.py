@@ -122,6 +122,7 @@ class SchedulerService:
         self._renew = self.r.register_script(_RENEW_LUA)
         self._release = self.r.register_script(_RELEASE_LUA)
         self._last_claim = 0.0
+        self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
         self._last_discovery = 0.0
         self._last_stats = 0.0
@@ -161,6 +162,7 @@ class SchedulerService:
             )
             if entries:
                 log.warning("took over %d requests of a dead scheduler", len(entries))
+                self.num_taken_over += len(entries)
             self._add_requests(entries)
             if start == "0-0" or not entries:
                 break
@@ -432,6 +434,7 @@ class SchedulerService:
             "surplus_tokens": self.scheduler.num_surplus_tokens,
             "scheduler": self.consumer,
             "pid": os.getpid(),
+            "taken_over": self.num_taken_over,
         }
         pipe = self.r.pipeline(transaction=False)
         pipe.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
