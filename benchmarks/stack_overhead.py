@@ -1,19 +1,19 @@
 """The server stack's cost over the in-process pipeline.
 
-1. ``--part overhead``: per-step overhead of the scheduler path (plan + gRPC round trip + Redis
-   publish), i.e. scheduler step wall time minus the worker's own forward time, p50 / p99, with a
-   tiny random LLaMA so the forward pass is negligible. Requests go straight into Redis.
+1. ``--part overhead``: with a tiny random LLaMA (the forward pass is negligible) and requests put
+   straight into Redis: the time the worker sits idle between passes (the worker reports it with
+   every result), p50 / p99, and the scheduler's CPU time per worker-step, p50 / p99.
 2. ``--part throughput``: the same greedy requests through the in-process pipeline and through the
    local stack (gateway + scheduler + 1 worker, driven by the ``openai`` client with N concurrent
-   clients); prints tokens/s of each and the ratio (target >= 0.9).
+   clients); prints tokens/s of each, the ratio (target >= 0.95), and the stack worker's idle time
+   between passes and the scheduler CPU per worker-step (from the scheduler's stats in Redis).
 
-``python -m benchmarks.stack_overhead [--part overhead|throughput|both]``
+``python -m benchmarks.stack_overhead [--part overhead|throughput|both] [--no-overlap]``
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +45,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
-def overhead(num_requests: int, new_tokens: int) -> None:
+def overhead(num_requests: int, new_tokens: int, overlap: bool) -> None:
     import redis
 
     from fuseserve import messages
@@ -79,12 +79,12 @@ def overhead(num_requests: int, new_tokens: int) -> None:
             ]
         )
         try:
-            service = SchedulerService(rs.url, EngineConfig(token_budget=64))
+            service = SchedulerService(rs.url, EngineConfig(token_budget=64, overlap=overlap))
             stop = threading.Event()
             t = threading.Thread(target=service.run, args=(stop,), daemon=True)
             t.start()
             r = redis.Redis.from_url(rs.url, decode_responses=True)
-            while not service.loop.workers:
+            while not service.core.workers:
                 time.sleep(0.2)
             params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True).to_dict()
             for i in range(num_requests):
@@ -98,18 +98,20 @@ def overhead(num_requests: int, new_tokens: int) -> None:
                         done += sum(1 for e in messages.decode_events(fields) if e.finish_reason)
             stop.set()
             t.join(timeout=5)
-            o = [x * 1e3 for x in service.step_overheads]
+            stats = service.core.stats
+            idle50, idle99 = stats.idle_ms()
+            cpu50, cpu99 = stats.cpu_per_step_ms()
             print(
-                f"scheduler-path overhead per step over {len(o)} steps ({num_requests} requests x "
-                f"{new_tokens} tokens, tiny model): p50 {percentile(o, 50):.2f} ms, p99 {percentile(o, 99):.2f} ms,"
-                f" mean {statistics.mean(o):.2f} ms"
+                f"tiny model, {num_requests} requests x {new_tokens} tokens, overlap={overlap}, "
+                f"{stats.num_worker_steps} worker-steps: worker idle between passes p50 {idle50:.2f} ms, "
+                f"p99 {idle99:.2f} ms; scheduler CPU per worker-step p50 {cpu50:.3f} ms, p99 {cpu99:.3f} ms"
             )
         finally:
             worker.terminate()
             worker.wait()
 
 
-def throughput(num_requests: int, new_tokens: int, clients: int) -> None:
+def throughput(num_requests: int, new_tokens: int, clients: int, overlap: bool) -> None:
     import openai
 
     import fuseserve
@@ -128,7 +130,9 @@ def throughput(num_requests: int, new_tokens: int, clients: int) -> None:
     tokens = sum(o.generated_tokens + o.prompt_tokens for o in outs)
     pipe.close()
 
-    args = serve_args(workers=1, port=free_port(), token_budget=256, kv_cache_memory="512MiB", device="cpu")
+    args = serve_args(
+        workers=1, port=free_port(), token_budget=256, kv_cache_memory="512MiB", device="cpu", overlap=overlap
+    )
     stack, base = start_stack(args)
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=600)
@@ -150,12 +154,35 @@ def throughput(num_requests: int, new_tokens: int, clients: int) -> None:
         with ThreadPoolExecutor(clients) as ex:
             stack_tokens = sum(ex.map(one, prompts))
         t_stack = time.perf_counter() - t0
+        time.sleep(1.5)  # the scheduler writes its stats once a second
+        sched = scheduler_stats(stack.redis.url)
     finally:
         stack.stop()
     print(
         f"pipeline: {tokens / t_pipe:.1f} tok/s ({t_pipe:.1f} s); stack: {stack_tokens / t_stack:.1f} tok/s "
-        f"({t_stack:.1f} s, {clients} clients); stack / pipeline = {(stack_tokens / t_stack) / (tokens / t_pipe):.2f}"
+        f"({t_stack:.1f} s, {clients} clients, overlap={overlap}); "
+        f"stack / pipeline = {(stack_tokens / t_stack) / (tokens / t_pipe):.2f}"
     )
+    if sched:
+        print(
+            f"stack: worker idle between passes p50 {sched['worker_idle_ms']['p50']:.2f} ms, "
+            f"p99 {sched['worker_idle_ms']['p99']:.2f} ms; scheduler CPU per worker-step "
+            f"p50 {sched['cpu_ms_per_worker_step']['p50']:.3f} ms, "
+            f"p99 {sched['cpu_ms_per_worker_step']['p99']:.3f} ms ({sched['worker_steps']} worker-steps)"
+        )
+
+
+def scheduler_stats(redis_url: str) -> dict | None:
+    """The scheduler's last stats record (``fuseserve.messages.SCHEDULER_STATS``), if it wrote one."""
+    import json
+
+    import redis
+
+    from fuseserve import messages
+
+    raw = redis.Redis.from_url(redis_url, decode_responses=True).get(messages.SCHEDULER_STATS)
+    stats = json.loads(raw) if raw else None
+    return stats if stats and "worker_idle_ms" in stats else None
 
 
 def main() -> None:
@@ -164,11 +191,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false")
     a = ap.parse_args()
     if a.part in ("overhead", "both"):
-        overhead(a.requests, a.new_tokens)
+        overhead(a.requests, a.new_tokens, a.overlap)
     if a.part in ("throughput", "both"):
-        throughput(a.requests, a.new_tokens, a.clients)
+        throughput(a.requests, a.new_tokens, a.clients, a.overlap)
 
 
 if __name__ == "__main__":

@@ -141,14 +141,16 @@ operator (``cpu``), else the PyTorch reference (``torch``)."""
 class EngineConfig:
     """Knobs of one engine (pipeline) or one scheduler + its workers.
 
-    token_budget: max tokens per forward pass (None → chosen by profiling, DESIGN rule 4).
+    token_budget: max tokens per forward pass (None → chosen by profiling the device).
     max_num_seqs: max sequences per pass.
     block_size: tokens per KV-cache block.
     kv_cache_memory: bytes for K and V of all layers on one worker (None → a default by device).
-    watermark_blocks: blocks kept free at admission (DESIGN rule 2).
+    watermark_blocks: blocks kept free at admission (SplitFuse rule 2).
     max_preemptions: preemptions allowed per sequence before it may no longer be preempted.
     policy: "splitfuse" | "prefill_first" | "whole_prompt".
     attention_backend: one of ``ATTENTION_BACKENDS`` (the workers' attention kernels).
+    overlap: build and send each worker's next plan while its current pass runs (at most one plan
+        queued per worker); False runs one plan at a time per worker.
     """
 
     token_budget: int | None = None
@@ -158,6 +160,7 @@ class EngineConfig:
     watermark_blocks: int = 1
     max_preemptions: int = 4
     policy: str = "splitfuse"
+    overlap: bool = True
     device: str | None = None
     dtype: str | None = None
     attention_backend: str = "auto"

@@ -1,8 +1,11 @@
-"""The in-process (non-persistent) mode: scheduler + model runner in the calling process.
+"""The in-process (non-persistent) mode: the engine core + a model runner in the calling process.
 
 ``fuseserve.pipeline(model)`` resolves and loads the model, sizes the KV cache, chooses the token
-budget, and starts one engine thread that runs SplitFuse steps while requests exist. Any number of
-threads may call the pipeline at once; their requests share forward passes.
+budget, and starts one engine thread that polls the ``EngineCore`` while requests exist; the runner
+runs plans on a thread of its own, so with overlap the next plan is built while a pass runs. Any
+number of threads may call the pipeline at once; their requests share forward passes. This module is
+only the I/O around the core: caller threads hand requests in through a command list, and token
+events go back through one queue per request.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from fuseserve.errors import ContextLengthExceededError, FuseServeError, Invalid
 from fuseserve.model_source import resolve_model
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams, check_text
-from fuseserve.scheduler.engine_loop import EngineLoop
-from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
+from fuseserve.scheduler.engine_core import EngineCore
+from fuseserve.scheduler.scheduler import TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
 from fuseserve.worker.model_runner import ModelRunner
 from fuseserve.worker.profiler import choose_token_budget
@@ -74,6 +77,7 @@ class Pipeline:
         attention_backend: str = "auto",
         cache_dir: str | None = None,
         progress: bool = True,
+        overlap: bool = True,
     ):
         self.config = EngineConfig(
             token_budget=token_budget,
@@ -81,6 +85,7 @@ class Pipeline:
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
             policy=policy,
+            overlap=overlap,
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
@@ -95,11 +100,10 @@ class Pipeline:
         info = self.runner.info
         self.token_budget = token_budget or choose_token_budget(self.runner, str(self.source.path), cache_dir)
         self.max_model_len = info.max_model_len
-        self.scheduler = Scheduler(self.config, self.eos_token_ids)
-        self.scheduler.add_worker(
-            "local", info.num_blocks, info.block_size, info.max_model_len, self.token_budget
+        self.core = EngineCore(self.config, self.eos_token_ids)
+        self.core.add_worker(
+            "local", self.runner, info.num_blocks, info.block_size, info.max_model_len, self.token_budget
         )
-        self.loop = EngineLoop(self.scheduler, {"local": self.runner})
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
         self._commands: list[tuple[str, object]] = []
@@ -112,6 +116,11 @@ class Pipeline:
     @property
     def name(self) -> str:
         return self.source.name
+
+    @property
+    def scheduler(self):
+        """The engine core's ``Scheduler`` (read it; only the engine thread changes it)."""
+        return self.core.scheduler
 
     # ----- public API -----
     def __call__(self, prompts: Prompt | list[Prompt], **kwargs) -> list[Response]:
@@ -181,7 +190,7 @@ class Pipeline:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=10)
-        self.loop.close()
+        self.core.close()
 
     def __enter__(self):
         return self
@@ -229,6 +238,7 @@ class Pipeline:
         with self._cv:
             self._commands.append((kind, payload))
             self._cv.notify()
+        self.core.wakeup()
 
     def _collect(self, req: _Request) -> Response:
         for _ in self._events(req):
@@ -274,7 +284,7 @@ class Pipeline:
     def _engine(self) -> None:
         while True:
             with self._cv:
-                while not self._commands and not self.scheduler.has_work and not self._closed:
+                while not self._commands and not self.core.has_work and not self._closed:
                     self._cv.wait()
                 commands, self._commands = self._commands, []
                 closed = self._closed
@@ -282,15 +292,15 @@ class Pipeline:
                 self._apply_command(kind, payload)
             if closed:
                 break
-            if not self.scheduler.has_work:
+            if not self.core.has_work:
                 continue
             try:
-                events = self.loop.step()
+                events = self.core.poll(timeout=1.0)  # returns early on a result or a command
             except Exception as e:  # an engine bug must not hang callers
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            if not self.loop.workers:
+            if not self.core.workers:
                 self._fail_all(FuseServeError("the model runner failed; see the log"))
             for ev in events:
                 req = self._requests.get(ev.seq_id)
@@ -304,17 +314,17 @@ class Pipeline:
         if kind == "add":
             req: _Request = payload
             try:
-                self.scheduler.add(Sequence(req.seq_id, req.prompt_ids, req.params))
+                self.core.add_request(Sequence(req.seq_id, req.prompt_ids, req.params))
                 self._requests[req.seq_id] = req
             except FuseServeError as e:
                 req.events.put(e)
         elif kind == "abort":
-            self.scheduler.abort(payload)
+            self.core.abort(payload)
             self._requests.pop(payload, None)
 
     def _fail_all(self, error: Exception, finish: bool = False) -> None:
         for sid, req in list(self._requests.items()):
-            self.scheduler.abort(sid)
+            self.core.abort(sid)
             req.events.put(TokenEvent(sid, None, FinishReason.ABORT) if finish else error)
         self._requests.clear()
 
@@ -363,8 +373,9 @@ def pipeline(
     token_budget: tokens per forward pass; None → chosen by profiling this device (cached).
     max_num_seqs: sequences per pass. kv_cache_memory: bytes or "512MiB"/"2GiB" (default: 1 GiB
     on CPU, 85% of free GPU memory on CUDA). policy: "splitfuse", "prefill_first", "whole_prompt".
-    Other keywords: block_size, device, dtype, attention_backend ("auto", "torch", "triton",
-    "flash-attn"), cache_dir, progress.
+    Other keywords: block_size, device, dtype, attention_backend ("auto", "torch", "cpu", "triton",
+    "flash-attn"), cache_dir, progress, overlap (build the next pass while the current one runs;
+    default True).
     Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
     """
     return Pipeline(

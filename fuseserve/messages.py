@@ -1,4 +1,4 @@
-"""The gateway ↔ scheduler contract over Redis (DESIGN "The persistent stack").
+"""The gateway ↔ scheduler contract over Redis.
 
 Keys and streams (all JSON in a single ``data`` field):
 
@@ -20,7 +20,21 @@ Keys and streams (all JSON in a single ``data`` field):
   with a 503 error event.
 - ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t, "workers": {id:
   {"admitted", "running", "free_blocks", "num_blocks"}}}``, written each second (the gateway
-  answers 429 when too many requests wait).
+  answers 429 when too many requests wait). With several schedulers each also writes its own
+  ``scheduler_stats_key(consumer)`` (with its ``pid``, CPU per worker-step and worker idle times);
+  ``SCHEDULER_STATS`` is then the last one written.
+
+Several schedulers share the consumer group:
+
+- ``scheduler_live_key(consumer)``: a scheduler's liveness, refreshed every ``HEARTBEAT_S`` with a
+  TTL of ``SCHEDULER_TTL_S``. The number of such keys is the number of live schedulers.
+- ``worker_lease_key(worker_id)``: the consumer name of the scheduler that drives the worker, set
+  with ``SET NX`` and renewed with the heartbeat (TTL ``SCHEDULER_TTL_S``). A scheduler claims
+  unleased workers up to its share (workers / live schedulers, rounded up); a dead scheduler's
+  leases expire and a live one claims its workers (``Free(all)`` first).
+- A live scheduler re-delivers its pending entries to itself every ``HEARTBEAT_S`` (XCLAIM, which
+  resets their idle time); an entry idle for ``CLAIM_IDLE_MS`` therefore belongs to a dead
+  scheduler, and a scheduler with room takes it over with XAUTOCLAIM.
 """
 
 from __future__ import annotations
@@ -41,6 +55,9 @@ NO_WORKER_GRACE_S = 30.0  # seconds a sequence may wait with no live worker befo
 WORKER_PREFIX = f"{PREFIX}:worker:"
 WORKER_TTL_S = 6  # seconds a worker record lives without a heartbeat
 HEARTBEAT_S = 2  # seconds between heartbeats
+#: a pending request entry idle this long belongs to a dead scheduler (live ones re-claim theirs
+#: every HEARTBEAT_S)
+CLAIM_IDLE_MS = int((SCHEDULER_TTL_S + 2) * 1000)
 RESPONSE_STREAM_MAXLEN = 100_000
 
 
@@ -50,6 +67,21 @@ def responses_stream(gateway_id: str) -> str:
 
 def worker_key(worker_id: str) -> str:
     return f"{WORKER_PREFIX}{worker_id}"
+
+
+def worker_lease_key(worker_id: str) -> str:
+    """The key holding the consumer name of the scheduler that drives ``worker_id``."""
+    return f"{PREFIX}:lease:{worker_id}"
+
+
+def scheduler_live_key(consumer: str) -> str:
+    """A scheduler's liveness key (TTL ``SCHEDULER_TTL_S``)."""
+    return f"{PREFIX}:scheduler:live:{consumer}"
+
+
+def scheduler_stats_key(consumer: str) -> str:
+    """One scheduler's own stats record."""
+    return f"{SCHEDULER_STATS}:{consumer}"
 
 
 @dataclass

@@ -58,6 +58,13 @@ def add_parsers(sub, engine_args) -> None:
     )
     engine_args(s)
     s.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
+    s.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="scheduler processes; each drives its share of the workers and takes over a dead one's "
+        "(default: 1)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="gateway host (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
     s.add_argument(
@@ -77,6 +84,12 @@ def add_parsers(sub, engine_args) -> None:
     )
     s.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks (processes) per worker (default: 1)"
+    )
+    s.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="the scheduler sends a worker its next plan only after its current result (default: overlap)",
     )
     s.set_defaults(func=_serve)
 
@@ -105,6 +118,12 @@ def add_parsers(sub, engine_args) -> None:
     c.add_argument("--policy", default="splitfuse", choices=["splitfuse", "prefill_first", "whole_prompt"])
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must match the workers)")
     c.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    c.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="send a worker its next plan only after its current result (default: overlap)",
+    )
     c.set_defaults(func=_scheduler)
 
     w = sub.add_parser("worker", help="a model worker (gRPC), registers itself in Redis")

@@ -1,6 +1,6 @@
 """Plain data types crossing the scheduler ↔ worker boundary (in-process or over gRPC).
 
-A step plan carries ids and counts, never tensors (DESIGN "The persistent stack"). The worker keeps
+A step plan carries ids and counts, never tensors. The worker keeps
 each sequence's block table, sampling state and last sampled token, so a decode entry needs no
 token id. ``fuseserve/proto/worker.proto`` mirrors these types field for field.
 """
@@ -74,8 +74,14 @@ class SampledToken:
 
 @dataclass
 class StepResult:
-    """What a worker returns for a StepPlan: one SampledToken per chunk with ``sample=True``, in plan order."""
+    """What a worker returns for a StepPlan: one SampledToken per chunk with ``sample=True``, in plan order.
+
+    forward_seconds: wall seconds of the pass on the worker (prepare + forward + sample).
+    idle_seconds: seconds the worker waited for this plan after its previous pass ended; None when
+        not measured (an in-process runner, or the first pass after a reset).
+    """
 
     step_id: int
     tokens: list[SampledToken] = field(default_factory=list)
     forward_seconds: float = 0.0
+    idle_seconds: float | None = None

@@ -143,6 +143,7 @@ def step_result_to_proto(result: StepResult, num_free_blocks: int = 0) -> pb.Ste
         tokens=[sampled_token_to_proto(t) for t in result.tokens],
         forward_seconds=result.forward_seconds,
         num_free_blocks=num_free_blocks,
+        idle_seconds=result.idle_seconds,
     )
 
 
@@ -152,4 +153,5 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
         step_id=msg.step_id,
         tokens=[sampled_token_from_proto(t) for t in msg.tokens],
         forward_seconds=msg.forward_seconds,
+        idle_seconds=msg.idle_seconds if msg.HasField("idle_seconds") else None,
     )

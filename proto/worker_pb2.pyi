@@ -115,16 +115,18 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "tokens", "forward_seconds", "num_free_blocks")
+    __slots__ = ("step_id", "tokens", "forward_seconds", "num_free_blocks", "idle_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_seconds: float
     num_free_blocks: int
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    idle_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("seq_ids", "all")

@@ -50,7 +50,8 @@ class FakeWorker:
 
     num_blocks / block_size: the KV pool; the worker fails a step that needs more blocks than are
     free (the scheduler's accounting must prevent that).
-    fail_at_step: raise on the n-th call of ``step`` (0-based), to play a lost worker.
+    fail_at_step: raise on the n-th call of ``step`` (0-based) and every later one, to play a lost
+        worker (with ``fail_with`` set: raise that on the n-th call only, a rejected plan).
     history: share one dict between the workers of a test, so a sequence that moves to another
         worker (recompute) is checked against the tokens it had before.
     Records every plan (``plans``) and, across frees and recomputes, the longest token history
@@ -93,7 +94,10 @@ class FakeWorker:
             self.seqs.pop(sid, None)
 
     def step(self, plan: StepPlan) -> StepResult:
-        if self.fail_at_step is not None and self.num_steps == self.fail_at_step:
+        lost = self.fail_with is None  # a lost worker stays lost; a rejected plan is one plan
+        if self.fail_at_step is not None and (
+            self.num_steps == self.fail_at_step or (lost and self.num_steps > self.fail_at_step)
+        ):
             self.num_steps += 1
             raise (self.fail_with or WorkerLostError)(f"{self.name}: worker lost")
         self.num_steps += 1
@@ -145,7 +149,10 @@ class FakeWorker:
             limit = max(seq.prompt_len, len(known))  # tokens the scheduler can know of
             if end > limit:
                 raise PlanError(f"seq {c.seq_id}: chunk ends at {end}, only {limit} tokens exist")
-            if c.sample != (end == limit):
+            # with overlap, the history may end with a token sampled by a plan whose result the
+            # scheduler dropped (the sequence was preempted while it ran): a chunk may then sample
+            # one short of the history's end
+            if (end == limit and not c.sample) or (c.sample and end < limit - 1):
                 raise PlanError(f"seq {c.seq_id}: sample={c.sample} for a chunk ending at {end} of {limit}")
             inputs.append((seq, tokens))
         # allocate blocks like BlockTables.ensure, after the frees

@@ -19,32 +19,63 @@ BYTES_PER_BLOCK = 30 * 16 * 3 * 64 * 2 * 4  # layers x block tokens x kv heads x
 TINY_BLOCKS = 10
 
 
-@pytest.fixture(scope="module")
-def pipe(smollm2_source):
+def _pipe(source, overlap: bool):
     import fuseserve
 
-    p = fuseserve.pipeline(
-        str(smollm2_source.path), token_budget=64, kv_cache_memory="256MiB", dtype="float32", progress=False
+    return fuseserve.pipeline(
+        str(source.path),
+        token_budget=64,
+        kv_cache_memory="256MiB",
+        dtype="float32",
+        progress=False,
+        overlap=overlap,
     )
-    yield p
-    p.close()
 
 
-@pytest.fixture(scope="module")
-def tiny(smollm2_source):
-    """The same model with a KV pool of 10 blocks (160 tokens): a handful of requests overflow it."""
+def _tiny(source, overlap: bool):
     import fuseserve
 
     p = fuseserve.pipeline(
-        str(smollm2_source.path),
+        str(source.path),
         token_budget=64,
         kv_cache_memory=TINY_BLOCKS * BYTES_PER_BLOCK,
         dtype="float32",
         progress=False,
+        overlap=overlap,
     )
     assert p.runner.info.num_blocks == TINY_BLOCKS
-    yield p
-    p.close()
+    return p
+
+
+def _module_pipeline(name: str, make, overlap: bool, doc: str):
+    """A module-scoped fixture ``name`` yielding ``make(source, overlap)``, closed at the module's end."""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(smollm2_source):
+        p = make(smollm2_source, overlap)
+        yield p
+        p.close()
+
+    fixture.__doc__ = doc
+    return fixture
+
+
+pipe = _module_pipeline("pipe", _pipe, True, "The pipeline as it ships: overlap on.")
+tiny = _module_pipeline(
+    "tiny",
+    _tiny,
+    True,
+    "The same model with a KV pool of 10 blocks (160 tokens): a handful of requests overflow it.",
+)
+pipe_serial = _module_pipeline("pipe_serial", _pipe, False, "``pipe`` with overlap off: one plan at a time.")
+tiny_serial = _module_pipeline("tiny_serial", _tiny, False, "``tiny`` with overlap off.")
+
+
+def pipelines(request, overlap: bool):
+    """``(pipe, tiny)`` with overlap on or off."""
+    if overlap:
+        return request.getfixturevalue("pipe"), request.getfixturevalue("tiny")
+    return request.getfixturevalue("pipe_serial"), request.getfixturevalue("tiny_serial")
 
 
 def chat(pipe, text: str) -> list[int]:

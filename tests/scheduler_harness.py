@@ -1,5 +1,7 @@
-"""Test harness for the scheduler tests: a ``Scheduler`` + ``EngineLoop`` over cost-free fake workers
-(``tests/fake_worker.py``), driven exactly as the pipeline drives them, and workload helpers.
+"""Test harness for the scheduler tests: an ``EngineCore`` over cost-free fake workers
+(``tests/fake_worker.py``) run inline, stepped one round at a time (``EngineCore.step``), and
+workload helpers. ``overlap=True`` builds each worker's next plan before the current one's result is
+applied, as the pipeline and the stack do.
 
 The fake "samples" a deterministic hash of each sequence's own tokens, so every request has one
 correct greedy output: the one it gets alone (``solo_output``).
@@ -15,7 +17,7 @@ from fake_worker import EOS, FakeWorker
 
 from fuseserve.config import EngineConfig
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.scheduler.engine_loop import EngineLoop
+from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.scheduler import Scheduler
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 
@@ -24,16 +26,19 @@ MAX_MODEL_LEN = 4096
 
 @dataclass
 class Engine:
-    sched: Scheduler
-    loop: EngineLoop
+    core: EngineCore
     fakes: dict[str, FakeWorker]
     seqs: dict[int, Sequence] = field(default_factory=dict)  # every sequence ever added
     outputs: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     finish: dict[int, FinishReason] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # sequences failed with an error event
 
+    @property
+    def sched(self) -> Scheduler:
+        return self.core.scheduler
+
     def add(self, seq: Sequence) -> None:
-        self.sched.add(seq)
+        self.core.add_request(seq)
         self.seqs[seq.seq_id] = seq
 
     def step(self):
@@ -42,7 +47,7 @@ class Engine:
         before = {
             sid: (s.status, s.in_prefill, s.num_uncomputed, s.worker) for sid, s in self.sched.seqs.items()
         }
-        events = self.loop.step()
+        events = self.core.step()
         for fake in self.fakes.values():
             assert not fake.errors, fake.errors
         for ev in events:
@@ -53,7 +58,7 @@ class Engine:
                 self.outputs[ev.seq_id].append(ev.token.token_id)
             if ev.finish_reason is not None:
                 self.finish[ev.seq_id] = ev.finish_reason
-        return self.loop.last_plans, before
+        return self.core.last_plans, before
 
     def run(self, on_step=None, max_steps=20_000) -> None:
         for _ in range(max_steps):
@@ -75,8 +80,9 @@ def make_engine(
     max_preemptions: int = 4,
     eos_every: int = 0,
     fail_at: dict[str, int] | None = None,
+    overlap: bool = False,
 ) -> Engine:
-    """Scheduler + EngineLoop over fake workers ``{name: num_blocks}`` (default one with a big pool)."""
+    """EngineCore over fake workers ``{name: num_blocks}`` (default one with a big pool)."""
     workers = workers or {"w0": 100_000}
     cfg = EngineConfig(
         token_budget=budget,
@@ -86,16 +92,16 @@ def make_engine(
         max_preemptions=max_preemptions,
         policy=policy,
     )
-    sched = Scheduler(cfg, [EOS])
+    core = EngineCore(cfg, [EOS], overlap=overlap)
     history: dict[int, list[int]] = {}
     fakes = {}
     for name, num_blocks in workers.items():
-        sched.add_worker(name, num_blocks, block_size, MAX_MODEL_LEN)
         fail = (fail_at or {}).get(name)
         fakes[name] = FakeWorker(
             num_blocks, block_size, eos_every=eos_every, fail_at_step=fail, name=name, history=history
         )
-    return Engine(sched, EngineLoop(sched, dict(fakes)), fakes)
+        core.add_worker(name, fakes[name], num_blocks, block_size, MAX_MODEL_LEN, threaded=False)
+    return Engine(core, fakes)
 
 
 def greedy(max_new_tokens: int, **kw) -> SamplingParams:
@@ -125,7 +131,7 @@ def classify(plan, before) -> list[str]:
     kinds = []
     for c in plan.chunks:
         status, in_prefill, _, _ = before[c.seq_id]
-        if status is SeqStatus.WAITING:
+        if status is SeqStatus.WAITING or c.start_pos == 0:  # admitted this round (maybe preempted in it)
             kinds.append("new")
         else:
             kinds.append("continue" if in_prefill else "decode")
@@ -137,7 +143,7 @@ def check_free(eng: Engine) -> None:
     for name, slot in eng.sched.slots.items():
         assert slot.account.num_free == slot.account.num_blocks, name
         assert slot.account.held == {}, name
-        assert not slot.running and not slot.pending_free, name
+        assert not slot.running and not slot.pending_free and not slot.inflight, name
         fake = eng.fakes[name]
         assert fake.num_free_blocks == fake.num_blocks, name
         assert fake.seqs == {}, name

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from pipeline_harness import chat, in_thread, run_concurrently, wait_all_free
+from pipeline_harness import chat, in_thread, pipelines, run_concurrently, wait_all_free
 
 # isort: split
 # pytest finds fixtures by name: these tests and the fixtures they use.
-from pipeline_harness import pipe, tiny  # noqa: F401
+from pipeline_harness import pipe, pipe_serial, tiny, tiny_serial  # noqa: F401
 
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=1234, max_new_tokens=16)
 
@@ -26,7 +26,9 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=1234, max_new_tokens=16)
 # ------------------------------------------------------------------------------------- sampling
 
 
-def test_seeded_request_same_alone_and_beside_15_unseeded(pipe):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_seeded_request_same_alone_and_beside_15_unseeded(request, overlap):
+    pipe = pipelines(request, overlap)[0]
     ids = chat(pipe, "Write a two-line poem about autumn leaves.")
     alone = in_thread(lambda: pipe(ids, **SAMPLED)[0])
     assert alone.generated_tokens > 5
@@ -58,7 +60,9 @@ def test_greedy_equivalents(pipe):
     assert t0.text == k1.text == p0.text
 
 
-def test_preempted_requests_give_the_same_output(pipe, tiny):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_preempted_requests_give_the_same_output(request, overlap):
+    pipe, tiny = pipelines(request, overlap)
     seeded_ids = chat(pipe, "Write a two-line poem about autumn leaves.")
     prompts = [chat(pipe, q) for q in ("What is 2 + 2?", "Describe the sea.", "Who wrote Hamlet?", "Say hi.")]
     greedy = dict(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -135,7 +139,9 @@ def test_stop_strings_stream_equals_non_stream(pipe, stops):
 # ------------------------------------------------------------------------------------- concurrency
 
 
-def test_concurrent_callers_get_solo_greedy_results(pipe):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_concurrent_callers_get_solo_greedy_results(request, overlap):
+    pipe = pipelines(request, overlap)[0]
     questions = [
         "What is the capital of France?",
         "List three prime numbers.",
@@ -240,3 +246,36 @@ def test_tiny_temperature_is_greedy(pipe):
     tiny = pipe("The sky is", max_new_tokens=4, temperature=1e-300)[0]
     greedy = pipe("The sky is", max_new_tokens=4, temperature=0)[0]
     assert tiny.token_ids == greedy.token_ids
+
+
+# ------------------------------------------------------------------------------------- overlap
+
+
+def test_stops_learned_a_pass_late_never_leak(pipe, pipe_serial):
+    """With overlap a sequence that just sampled EOS (or a stop token id, or text matching a stop
+    string) is decoded once more before the engine knows: that surplus token must not reach the
+    text, the token ids, the usage counts or the stream. Every request gives exactly what it gives
+    with overlap off, streamed or not, alone or beside others."""
+    questions = ["What is the capital of France?", "Say hi.", "Name a colour.", "What is 2 + 2?"]
+    prompts = [chat(pipe, q) for q in questions]
+    knobs = [
+        dict(temperature=0.0, max_new_tokens=40),  # ends on EOS
+        dict(temperature=0.0, max_new_tokens=5),  # ends on max_tokens
+        dict(temperature=0.0, max_new_tokens=40, stop=[" is", "."]),  # ends on a stop string
+        dict(temperature=0.0, max_new_tokens=40, stop_token_ids=[30]),  # "." (maybe) as a stop id
+    ]
+    for kw in knobs:
+        ref = [pipe_serial(p, **kw)[0] for p in prompts]
+        got = run_concurrently([lambda p=p, kw=kw: pipe(p, **kw)[0] for p in prompts])
+        streamed = run_concurrently([lambda p=p, kw=kw: "".join(pipe.stream(p, **kw)) for p in prompts])
+        for r, g, st in zip(ref, got, streamed, strict=True):
+            assert g.token_ids == r.token_ids, kw
+            assert g.text == r.text == st, kw
+            assert g.finish_reason == r.finish_reason, kw
+            assert g.generated_tokens == r.generated_tokens == len(g.token_ids), kw
+            assert g.prompt_tokens == r.prompt_tokens
+            assert g.generated_tokens <= kw["max_new_tokens"]
+            if r.finish_reason == "length":
+                assert g.generated_tokens == kw["max_new_tokens"]
+    wait_all_free(pipe)
+    wait_all_free(pipe_serial)

@@ -19,9 +19,12 @@ from fuseserve.scheduler.sequence import SeqStatus, Sequence
 
 @pytest.mark.parametrize("workers", [{"w0": 80}, {"w0": 40, "w1": 40}], ids=["one_worker", "two_workers"])
 @pytest.mark.parametrize("max_preemptions", [0, 1, 4])
-def test_small_kv_pool_preempts_and_every_request_finishes(workers, max_preemptions):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_small_kv_pool_preempts_and_every_request_finishes(workers, max_preemptions, overlap):
     # 32 requests of up to 40 + 40 tokens (20 blocks of 4): the pool holds about 4 at a time
-    eng = make_engine(budget=32, workers=workers, max_preemptions=max_preemptions, eos_every=31)
+    eng = make_engine(
+        budget=32, workers=workers, max_preemptions=max_preemptions, eos_every=31, overlap=overlap
+    )
     reqs = workload(32, seed=11, prompt_range=(20, 40), new_range=(20, 40))
     for i, (p, n) in enumerate(reqs):
         eng.add(Sequence(i, p, greedy(n)))
@@ -49,16 +52,17 @@ def test_small_kv_pool_preempts_and_every_request_finishes(workers, max_preempti
     check_free(eng)
 
 
-def test_recompute_cut_one_token_short_of_its_end():
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_recompute_cut_one_token_short_of_its_end(overlap):
     """A recompute whose first chunk stops one token short of its known tokens: the last token
     is a generated one the (fresh) worker never sampled, so it must travel with the plan."""
-    eng = make_engine(budget=12)
+    eng = make_engine(budget=12, overlap=overlap)
     prompt = list(range(1, 11))
     eng.add(Sequence(0, prompt, greedy(8)))
     while len(eng.outputs[0]) < 3:
         eng.step()
     seq = eng.seqs[0]
-    assert seq.num_tokens == 13
+    assert seq.num_tokens == 13 or (overlap and seq.num_tokens == 13 + seq.num_pending - 1)
     eng.sched.preempt(eng.sched.slots["w0"], seq)
     eng.run()
     assert eng.outputs[0] == solo_output(prompt, greedy(8), eos_every=0)
@@ -69,8 +73,9 @@ def test_recompute_cut_one_token_short_of_its_end():
 # ------------------------------------------------------------------------------------- two workers
 
 
-def test_two_workers_spread_sequences():
-    eng = make_engine(budget=32, workers={"w0": 500, "w1": 500}, eos_every=19)
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_two_workers_spread_sequences(overlap):
+    eng = make_engine(budget=32, workers={"w0": 500, "w1": 500}, eos_every=19, overlap=overlap)
     reqs = workload(20, seed=23)
     for i, (p, n) in enumerate(reqs):
         eng.add(Sequence(i, p, greedy(n)))
@@ -120,10 +125,13 @@ def test_placement_goes_to_least_loaded_worker():
 
 
 @pytest.mark.parametrize("how", ["remove_worker", "worker_fails"])
-def test_removed_worker_sequences_finish_elsewhere(how):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_removed_worker_sequences_finish_elsewhere(how, overlap):
     reqs = workload(16, seed=29, prompt_range=(10, 60), new_range=(10, 30))
     fail_at = {"w1": 6} if how == "worker_fails" else None
-    eng = make_engine(budget=32, workers={"w0": 1000, "w1": 1000}, eos_every=37, fail_at=fail_at)
+    eng = make_engine(
+        budget=32, workers={"w0": 1000, "w1": 1000}, eos_every=37, fail_at=fail_at, overlap=overlap
+    )
     for i, (p, n) in enumerate(reqs):
         eng.add(Sequence(i, p, greedy(n)))
     for _ in range(6):
@@ -131,8 +139,7 @@ def test_removed_worker_sequences_finish_elsewhere(how):
     on_w1 = {s.seq_id for s in eng.sched.slots["w1"].running}
     assert on_w1, "nothing ran on w1"
     if how == "remove_worker":
-        moved = eng.sched.remove_worker("w1")
-        eng.loop.workers.pop("w1")
+        moved = eng.core.remove_worker("w1")
         assert {s.seq_id for s in moved} == on_w1
         assert all(s.status is SeqStatus.WAITING and s.num_computed_tokens == 0 for s in moved)
     else:
@@ -140,7 +147,7 @@ def test_removed_worker_sequences_finish_elsewhere(how):
             if "w1" not in eng.sched.slots:
                 break
             eng.step()
-        assert set(eng.sched.slots) == {"w0"} and set(eng.loop.workers) == {"w0"}
+        assert set(eng.sched.slots) == {"w0"} and set(eng.core.workers) == {"w0"}
     del eng.fakes["w1"]
     eng.run()
     assert sorted(eng.finish) == list(range(16))
@@ -165,7 +172,7 @@ def test_failed_plan_fails_only_its_sequences_and_the_worker_stays():
             failed_plan = {c.seq_id for c in plans["w1"].chunks}
     assert failed_plan and set(eng.errors) == failed_plan
     assert all("ValueError" in e for e in eng.errors.values())
-    assert "w1" in eng.loop.workers and "w1" in eng.sched.slots
+    assert "w1" in eng.core.workers and "w1" in eng.sched.slots
     eng.run()
     assert set(eng.finish) == set(range(len(reqs)))
     assert all(len(eng.outputs[i]) == reqs[i][1] for i in range(len(reqs)) if i not in failed_plan)

@@ -1,6 +1,12 @@
-"""A remote worker as an ``EngineLoop`` handle: step plans over gRPC (``proto/worker.proto``)."""
+"""A remote worker as an ``EngineCore`` handle: step plans over gRPC (``proto/worker.proto``).
+
+``submit`` sends a plan without waiting for the previous one's answer (overlap): the worker runs the
+plans of one scheduler in ``step_id`` order.
+"""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import grpc
 
@@ -18,7 +24,7 @@ LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 
 
 class GrpcWorker:
-    """A remote worker as an ``EngineLoop`` handle."""
+    """A remote worker as an ``EngineCore`` handle."""
 
     def __init__(self, record: messages.WorkerRecord):
         self.record = record
@@ -32,10 +38,34 @@ class GrpcWorker:
         try:
             msg = self.stub.Step(request, timeout=STEP_TIMEOUT_S)
         except grpc.RpcError as e:
-            if e.code() in LOST_CODES:
-                raise WorkerLostError(f"{self.record.address}: {e.code().name}") from e
-            raise RuntimeError(f"worker {self.record.worker_id}: {e.code().name}: {e.details()}") from e
+            raise self._error(e) from e
         return convert.step_result_from_proto(msg)
+
+    def submit(self, plan: StepPlan) -> Future:
+        """Send a plan now; the future resolves to its ``StepResult``, or to ``WorkerLostError`` /
+        ``RuntimeError`` as ``step`` raises them. Never blocks on the worker."""
+        out: Future = Future()
+        try:
+            call = self.stub.Step.future(convert.step_plan_to_proto(plan), timeout=STEP_TIMEOUT_S)
+        except Exception as e:  # a value that cannot be encoded fails only this plan
+            out.set_exception(e)
+            return out
+
+        def done(call) -> None:
+            try:
+                out.set_result(convert.step_result_from_proto(call.result()))
+            except grpc.RpcError as e:
+                out.set_exception(self._error(e))
+            except Exception as e:  # noqa: BLE001 - handed to the core as this plan's failure
+                out.set_exception(e)
+
+        call.add_done_callback(done)
+        return out
+
+    def _error(self, e: grpc.RpcError) -> Exception:
+        if e.code() in LOST_CODES:
+            return WorkerLostError(f"{self.record.address}: {e.code().name}")
+        return RuntimeError(f"worker {self.record.worker_id}: {e.code().name}: {e.details()}")
 
     def reset(self) -> None:
         """Free everything the worker holds (it may have served a previous scheduler)."""

@@ -1,7 +1,15 @@
 """Scheduling policies behind one interface, so the benchmark compares them on the same engine.
 
+A policy builds the next pass of the workers being planned together (one, when results arrive one
+by one; several, when they are free at the same time) and returns one ``Draft`` per worker
+(``[(sequence, num_tokens)]`` within the token budget); it never writes to the scheduler's worker
+slots. It asks the
+scheduler to reserve blocks, preempt and admit (the scheduler owns that state).
+
 - ``splitfuse`` (DeepSpeed-FastGen, paper §3.3): decodes, then continuing prompt chunks, then new
-  prompts, filling the token budget exactly; long prompts are split over passes.
+  prompts, filling the token budget exactly; long prompts are split over passes. New prompts are
+  placed on the worker expected to serve them soonest (``Scheduler.place``), which may be another
+  worker than the one being planned: the prompt then runs there with that worker's next pass.
 - ``prefill_first`` (vLLM v0, TGI before chunking): a pass of whole new prompts whenever one can be
   admitted, otherwise a pass of decodes; prompts and decodes never share a pass.
 - ``whole_prompt`` (Orca): decodes fused with whole new prompts; a prompt is never split. The first
@@ -12,87 +20,150 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fuseserve.scheduler.scheduler import Scheduler, WorkerSlot
+    from fuseserve.scheduler.sequence import Sequence
+
+
+@dataclass
+class Draft:
+    """The pass being built for one worker.
+
+    token_budget: tokens the pass may hold; max_num_seqs: sequences it may hold.
+    entries: ``(sequence, num_tokens)`` in plan order.
+    blocked: a running sequence wanted a KV block and none could be had (no victim to preempt).
+    """
+
+    token_budget: int
+    max_num_seqs: int
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    blocked: bool = False
+
+    @property
+    def budget_left(self) -> int:
+        """Tokens still free in the pass."""
+        return self.token_budget - sum(n for _, n in self.entries)
+
+    @property
+    def has_room(self) -> bool:
+        """Another sequence fits: a token and a sequence slot are left."""
+        return self.budget_left > 0 and len(self.entries) < self.max_num_seqs
+
+    def drop(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the pass (it was preempted while the pass was built)."""
+        self.entries = [(s, n) for s, n in self.entries if s is not seq]
+
+    def has_prompt(self) -> bool:
+        return any(seq.in_prefill for seq, _ in self.entries)
 
 
 class Policy(ABC):
     name = "abstract"
+    #: new prompts may be placed on a worker not being planned (they then run there as continuing
+    #: prompt chunks, which only a policy that continues chunks schedules)
+    places_elsewhere = False
 
     @abstractmethod
-    def schedule(self, sched: Scheduler) -> None:
-        """Fill ``slot.entries`` ``[(sequence, num_tokens)]`` of every worker slot of ``sched``."""
+    def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
+        """The next pass of each worker of ``slots``, by worker name."""
 
 
-def schedule_decodes(sched: Scheduler, slot: WorkerSlot) -> None:
-    """One token per running sequence past its prompt, oldest first (rule 1), growing blocks (rule 3)."""
+def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> None:
+    """One token per running sequence past its prompt, oldest first (rule 1), growing blocks (rule 3).
+
+    A sequence whose plan in flight ends it by length (``max_new_tokens`` or the context window) is
+    not planned again: its token would be surplus.
+    """
     for seq in list(slot.running):
-        if seq.in_prefill or seq not in slot.running:
+        if seq.in_prefill or seq not in slot.running or sched.ends_in_flight(seq):
             continue
-        if slot.budget_left < 1 or len(slot.entries) >= sched.config.max_num_seqs:
+        if not draft.has_room:
             return
-        if sched.reserve_or_preempt(slot, seq, seq.num_tokens):
-            slot.entries.append((seq, 1))
+        if sched.reserve_or_preempt(slot, seq, seq.num_planned_tokens, draft):
+            draft.entries.append((seq, 1))
+        else:
+            draft.blocked = True
 
 
-def admit_new(sched: Scheduler, split: bool, fits) -> None:
-    """Admit queued sequences in FIFO order onto the least-loaded worker that can take them (rule 2).
+def continue_prompts(slot: WorkerSlot, draft: Draft) -> None:
+    """Continuing prompt chunks (their blocks were reserved at admission), in admission order."""
+    for seq in slot.running:
+        if seq.in_prefill and draft.has_room:
+            draft.entries.append((seq, min(seq.num_uncomputed, draft.budget_left)))
 
-    ``split``: cut the last prompt to the budget left; else whole prompts only, when ``fits(slot, n)``.
+
+def admit_new(
+    sched: Scheduler,
+    slots: list[WorkerSlot],
+    drafts: dict[str, Draft],
+    split: bool,
+    fits: Callable[[Draft, int], bool] | None,
+) -> None:
+    """Admit queued sequences in FIFO order (rule 2) while the head can be placed somewhere.
+
+    ``split``: cut the last prompt to the budget left; else whole prompts only, when ``fits(draft, n)``.
+    A sequence placed on a worker being planned joins its draft; one placed on another worker runs
+    with that worker's next pass.
     """
     while sched.waiting:
         seq = sched.waiting[0]
-        candidates = [
+        here = [
             s
-            for s in sched.slots.values()
-            if len(s.entries) < sched.config.max_num_seqs
-            and sched.can_admit(s, seq)
-            and (s.budget_left > 0 if split else fits(s, seq.num_tokens))
+            for s in slots
+            if len(drafts[s.name].entries) < drafts[s.name].max_num_seqs
+            and (drafts[s.name].budget_left > 0 if split else fits(drafts[s.name], seq.num_tokens))
         ]
-        if not candidates:
+        target = sched.place(seq, here, elsewhere=sched.policy.places_elsewhere, planning=slots)
+        if target is None:
             return
-        slot = sched.least_loaded(candidates)
-        sched.admit(slot, seq)
-        slot.entries.append((seq, min(seq.num_tokens, slot.budget_left) if split else seq.num_tokens))
+        sched.admit(target, seq)
+        draft = drafts.get(target.name)
+        if draft is not None:
+            draft.entries.append((seq, min(seq.num_tokens, draft.budget_left) if split else seq.num_tokens))
 
 
 class SplitFuse(Policy):
     name = "splitfuse"
+    places_elsewhere = True
 
-    def schedule(self, sched: Scheduler) -> None:
-        for slot in sched.slots.values():
-            schedule_decodes(sched, slot)
-            for seq in slot.running:  # continuing prompt chunks (their blocks are reserved)
-                if seq.in_prefill and slot.budget_left > 0 and len(slot.entries) < sched.config.max_num_seqs:
-                    slot.entries.append((seq, min(seq.num_uncomputed, slot.budget_left)))
-        admit_new(sched, split=True, fits=None)
+    def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
+        drafts = {s.name: sched.new_draft(s) for s in slots}
+        for slot in slots:
+            schedule_decodes(sched, slot, drafts[slot.name])
+            continue_prompts(slot, drafts[slot.name])
+        admit_new(sched, slots, drafts, split=True, fits=None)
+        return drafts
 
 
 class WholePrompt(Policy):
     name = "whole_prompt"
 
-    def schedule(self, sched: Scheduler) -> None:
-        for slot in sched.slots.values():
-            schedule_decodes(sched, slot)
+    def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
+        drafts = {s.name: sched.new_draft(s) for s in slots}
+        for slot in slots:
+            schedule_decodes(sched, slot, drafts[slot.name])
         # like Orca, a prompt is never starved by running decodes: the first prompt of a pass is
         # taken whole even past the budget; further prompts only while they fit
-        admit_new(sched, split=False, fits=lambda s, n: n <= s.budget_left or not _has_prompt(s))
-
-
-def _has_prompt(slot: WorkerSlot) -> bool:
-    return any(seq.in_prefill for seq, _ in slot.entries)
+        admit_new(
+            sched, slots, drafts, split=False, fits=lambda d, n: n <= d.budget_left or not d.has_prompt()
+        )
+        return drafts
 
 
 class PrefillFirst(Policy):
     name = "prefill_first"
 
-    def schedule(self, sched: Scheduler) -> None:
-        admit_new(sched, split=False, fits=lambda s, n: n <= s.budget_left or not s.entries)
-        for slot in sched.slots.values():
-            if not slot.entries:
-                schedule_decodes(sched, slot)
+    def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
+        drafts = {s.name: sched.new_draft(s) for s in slots}
+        admit_new(sched, slots, drafts, split=False, fits=lambda d, n: n <= d.budget_left or not d.entries)
+        for slot in slots:
+            if not drafts[slot.name].entries:
+                schedule_decodes(sched, slot, drafts[slot.name])
+        return drafts
 
 
 _POLICIES = {p.name: p for p in (SplitFuse, WholePrompt, PrefillFirst)}

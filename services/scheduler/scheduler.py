@@ -1,14 +1,24 @@
-"""The central scheduler: builds one step plan per worker within the token budget (paper §3).
+"""The SplitFuse planner: builds one worker's next pass within its token budget (paper §3).
 
-Lifecycle: ``add`` → ``schedule`` (plans) → workers run them → ``postprocess`` (tokens, stops) →
-``schedule`` ... Works in counts and ids only (STYLE 2): token counts per sequence, free-block
-counts per worker. The SplitFuse rules (DESIGN "SplitFuse scheduling rules"):
+Lifecycle per worker: ``schedule_worker`` (a plan, marked in flight) → the worker runs it →
+``postprocess`` (tokens, stops) or ``fail_plan``. Each worker is planned on its own, whenever it has
+room for a plan; with overlap its next plan is built while the current one runs, so plans in flight
+may hold tokens not known yet (``Sequence.num_pending``): such a sequence is planned as a decode
+entry, fed by the worker with the token it sampled last.
+
+Works in counts and ids only: token counts per sequence, free-block counts per worker. The
+SplitFuse rules:
 
 1. decode tokens first (one per running sequence), then continuing prompt chunks, then new prompts,
    filling the budget exactly; the last prompt taken is cut to fit;
 2. a prompt is admitted only when blocks exist for its whole remaining prompt plus a watermark;
 3. a running sequence that cannot get a block preempts the most recently admitted sequence
    (recompute later from prompt + generated tokens); at most ``max_preemptions`` per sequence.
+
+A stop learned one pass late (EOS or a stop token sampled by plan N while plan N+1 already feeds
+it) leaves one surplus token: it is dropped here (the sequence is finished, so no event is made)
+and the sequence's blocks are freed with the worker's next plan. Length stops are never late: a
+sequence whose plan in flight reaches ``max_new_tokens`` is not planned again.
 
 ``prefill_first`` (vLLM v0, TGI before chunking) and ``whole_prompt`` (Orca) are the same machinery
 with different choices (``fuseserve.scheduler.policies``).
@@ -20,11 +30,13 @@ import collections
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from fuseserve.config import EngineConfig
 from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
 from fuseserve.scheduler.block_accounting import BlockAccount
-from fuseserve.scheduler.policies import Policy, get_policy, schedule_decodes
+from fuseserve.scheduler.placement import StepTimeModel, seconds_per_share
+from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult
 
@@ -49,25 +61,43 @@ class TokenEvent:
 
 
 @dataclass
+class InFlight:
+    """A plan sent to a worker and not answered yet.
+
+    entries: ``(sequence, num_tokens, admitted_at)``; a result applies to a sequence only while it is
+    still running on that worker under the same admission (not preempted, moved or finished since).
+    """
+
+    plan: StepPlan
+    entries: list[tuple[Sequence, int, int]]
+
+
+@dataclass
 class WorkerSlot:
-    """The scheduler's view of one worker: capacity, running sequences, the plan in flight."""
+    """One worker as the engine sees it: capacity, running sequences, plans in flight, its handle.
+
+    handle: how plans reach the worker (``fuseserve.scheduler.engine_core.WorkerHandle``); None for
+        a scheduler used without transport.
+    num_steps: plans sent so far; the next plan's ``step_id`` (a worker runs plans in step order).
+    step_time: measured seconds per pass against tokens per pass (placement).
+    """
 
     name: str
     account: BlockAccount
     token_budget: int
     max_model_len: int
+    handle: Any = None
     running: list[Sequence] = field(default_factory=list)  # admission order
     pending_free: list[int] = field(default_factory=list)
-    entries: list[tuple[Sequence, int]] = field(default_factory=list)  # the plan being built / in flight
+    inflight: collections.deque[InFlight] = field(default_factory=collections.deque)
     num_admitted: int = 0  # sequences admitted onto this worker so far (recomputes included)
-
-    @property
-    def budget_left(self) -> int:
-        return self.token_budget - sum(n for _, n in self.entries)
+    num_steps: int = 0
+    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
 
 
 class Scheduler:
-    """Plans passes for every worker and applies token-level stops.
+    """Plans passes for each worker and applies token-level stops.
 
     Args:
         config: token_budget (None → each worker's own, chosen by profiling), max_num_seqs,
@@ -81,37 +111,60 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.policy: Policy = get_policy(config.policy)
         self.slots: dict[str, WorkerSlot] = {}
+        self._max_model_len = 1 << 30
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.seqs: dict[int, Sequence] = {}
         self._admit_counter = itertools.count()
-        self._step_counter = itertools.count()
         self.num_preemptions = 0
         self.num_forced_preemptions = 0  # of those, past max_preemptions to break a deadlock
+        self.num_surplus_tokens = 0  # tokens sampled past a stop learned one pass late, dropped
+        self.touched: set[str] = set()  # workers given work outside their own planning (to dispatch)
 
     # ----- workers -----
     def add_worker(
-        self, name: str, num_blocks: int, block_size: int, max_model_len: int, token_budget: int | None = None
-    ) -> None:
-        """Register a worker's capacity. ``token_budget`` is the worker's profiled budget."""
+        self,
+        name: str,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        token_budget: int | None = None,
+        handle: Any = None,
+    ) -> WorkerSlot:
+        """Register a worker's capacity. ``token_budget`` is the worker's profiled budget.
+
+        Raises ``SchedulerError`` when neither the config nor the worker gives a budget, or the name
+        is taken.
+        """
         budget = self.config.token_budget or token_budget
         if budget is None:
             raise SchedulerError(f"worker {name}: no token budget configured or profiled")
-        self.slots[name] = WorkerSlot(name, BlockAccount(num_blocks, block_size), budget, max_model_len)
+        if name in self.slots:
+            raise SchedulerError(f"worker {name} is already registered")
+        slot = WorkerSlot(name, BlockAccount(num_blocks, block_size), budget, max_model_len, handle)
+        self.slots[name] = slot
+        self._workers_changed()
+        return slot
 
     def remove_worker(self, name: str) -> list[Sequence]:
         """Forget a lost worker; its sequences go back to the front of the queue for recompute."""
         slot = self.slots.pop(name, None)
         if slot is None:
             return []
+        self._workers_changed()
         moved = list(slot.running)
         for seq in reversed(moved):
             self._to_waiting(seq)
+        slot.inflight.clear()
         return moved
 
     # ----- requests -----
     @property
     def max_model_len(self) -> int:
-        return min((s.max_model_len for s in self.slots.values()), default=1 << 30)
+        """The shortest context window of the workers, in tokens (kept as workers come and go)."""
+        return self._max_model_len
+
+    def _workers_changed(self) -> None:
+        self._max_model_len = min((s.max_model_len for s in self.slots.values()), default=1 << 30)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence. Raises ``ContextLengthExceededError`` / ``InvalidRequestError``."""
@@ -146,7 +199,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s.running or s.pending_free for s in self.slots.values())
+        return bool(self.waiting) or any(
+            s.running or s.pending_free or s.inflight for s in self.slots.values()
+        )
 
     @property
     def num_running(self) -> int:
@@ -154,46 +209,79 @@ class Scheduler:
 
     # ----- schedule -----
     def schedule(self) -> dict[str, StepPlan]:
-        """Build the next plan of every worker that has something to do."""
-        for slot in self.slots.values():
-            slot.entries = []
-        self.policy.schedule(self)
-        for slot in self.slots.values():
-            while slot.running and not slot.entries:
+        """The next plan of every worker with nothing in flight and something to do."""
+        return self.schedule_workers([n for n, s in self.slots.items() if not s.inflight])
+
+    def schedule_worker(self, name: str) -> StepPlan | None:
+        """Build ``name``'s next plan and mark it in flight; None when the worker has nothing to do.
+
+        Raises ``KeyError`` for an unknown worker.
+        """
+        return self.schedule_workers([name]).get(name)
+
+    def schedule_workers(self, names: list[str]) -> dict[str, StepPlan]:
+        """Build the next plan of each named worker together (admission picks among them) and mark
+        the plans in flight; workers with nothing to do get none. Raises ``KeyError`` for an unknown
+        worker."""
+        slots = [self.slots[n] for n in names]
+        drafts = self.policy.plan(self, slots)
+        plans = {}
+        for slot in slots:
+            draft = drafts[slot.name]
+            while draft.blocked and not draft.entries and not slot.inflight and slot.running:
                 # every running sequence waits for a block and none may be preempted under the cap:
                 # nothing would ever run again, so preempt the newest past its cap (liveness first)
                 victim = max(slot.running, key=lambda s: s.admitted_at)
                 log.warning("seq %d preempted past the cap to break a KV-cache deadlock", victim.seq_id)
                 self.num_forced_preemptions += 1
-                self.preempt(slot, victim)
-                schedule_decodes(self, slot)
-        plans = {}
-        for slot in self.slots.values():
-            if not slot.entries and not slot.pending_free:
+                self.preempt(slot, victim, draft)
+                draft.blocked = False
+                schedule_decodes(self, slot, draft)
+            if not draft.entries and not slot.pending_free:
                 continue
-            chunks = [self._chunk(seq, n) for seq, n in slot.entries]
-            plans[slot.name] = StepPlan(next(self._step_counter), chunks, slot.pending_free)
+            chunks = [self._chunk(seq, n) for seq, n in draft.entries]
+            plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
+            slot.num_steps += 1
             slot.pending_free = []
+            slot.inflight.append(InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries]))
+            plans[slot.name] = plan
         return plans
 
+    def new_draft(self, slot: WorkerSlot) -> Draft:
+        return Draft(slot.token_budget, self.config.max_num_seqs)
+
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        """The chunk of ``n`` tokens of ``seq`` that comes next; advances its planned counters."""
         start = seq.num_computed_tokens
         end = start + n
-        # the worker feeds the token it sampled last; a recompute cut one token short of its end
-        # looks like a decode but its last token was sampled before the worker restarted it
-        decode = not seq.in_prefill and seq.num_tokens > seq.num_tokens_at_admission
-        return SeqChunk(
+        # the worker feeds the token it sampled last: one sampled by a plan in flight, or one sampled
+        # since admission (a recompute cut one token short of its end looks like a decode, but its
+        # last token was sampled before the worker restarted it)
+        decode = seq.num_pending > 0 or (not seq.in_prefill and seq.num_tokens > seq.num_tokens_at_admission)
+        sample = end == seq.num_planned_tokens
+        chunk = SeqChunk(
             seq_id=seq.seq_id,
             start_pos=start,
             num_tokens=n,
             token_ids=[] if decode else seq.token_slice(start, end),
-            sample=end == seq.num_tokens,
+            sample=sample,
             params=seq.params if start == 0 else None,
             prompt_len=seq.prompt_len if start == 0 else 0,
         )
+        seq.num_computed_tokens = end
+        if sample:
+            seq.num_pending += 1
+        return chunk
+
+    def ends_in_flight(self, seq: Sequence) -> bool:
+        """The plan in flight samples ``seq``'s last token by length: planning it again is surplus."""
+        return seq.num_pending > 0 and (
+            len(seq.output_token_ids) + seq.num_pending >= seq.params.max_new_tokens
+            or seq.num_planned_tokens >= self.max_model_len
+        )
 
     # primitives the policies use
-    def reserve_or_preempt(self, slot: WorkerSlot, seq: Sequence, num_tokens: int) -> bool:
+    def reserve_or_preempt(self, slot: WorkerSlot, seq: Sequence, num_tokens: int, draft: Draft) -> bool:
         """Reserve blocks for ``seq`` to hold ``num_tokens``; preempt newer sequences if needed (rule 3).
 
         Returns False when ``seq`` cannot run this step (it was preempted itself, or no victim exists).
@@ -202,7 +290,7 @@ class Scheduler:
             victim = self._victim(slot, seq)
             if victim is None:
                 return False
-            self.preempt(slot, victim)
+            self.preempt(slot, victim, draft)
             if victim is seq:
                 return False
         slot.account.reserve(seq.seq_id, num_tokens)
@@ -215,9 +303,10 @@ class Scheduler:
             return None
         return max(candidates, key=lambda s: s.admitted_at)
 
-    def preempt(self, slot: WorkerSlot, seq: Sequence) -> None:
+    def preempt(self, slot: WorkerSlot, seq: Sequence, draft: Draft | None = None) -> None:
         """Free a running sequence's blocks; it recomputes later from prompt + generated tokens."""
-        slot.entries = [(s, n) for s, n in slot.entries if s is not seq]
+        if draft is not None:
+            draft.drop(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._to_waiting(seq)
@@ -231,7 +320,9 @@ class Scheduler:
             if seq in slot.running:
                 slot.running.remove(seq)
             slot.pending_free.append(seq.seq_id)
+            self.touched.add(slot.name)
         seq.worker = None
+        seq.num_pending = 0  # tokens of plans in flight are dropped when they arrive
 
     def _to_waiting(self, seq: Sequence) -> None:
         self._detach(seq)
@@ -239,14 +330,15 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 
-    def can_admit(self, slot: WorkerSlot, seq: Sequence) -> bool:
-        """Rule 2: blocks for the whole remaining prompt plus the watermark, and a free sequence slot."""
+    def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
+        """Rule 2: blocks for the whole remaining prompt plus the watermark (plus ``extra_blocks``),
+        and a free sequence slot."""
         return len(slot.running) < self.config.max_num_seqs and slot.account.can_reserve(
-            seq.seq_id, seq.num_tokens, self.config.watermark_blocks
+            seq.seq_id, seq.num_tokens, self.config.watermark_blocks + extra_blocks
         )
 
     def admit(self, slot: WorkerSlot, seq: Sequence) -> None:
-        """Move the head of the queue onto ``slot``, reserving blocks for all its known tokens."""
+        """Move ``seq`` from the queue onto ``slot``, reserving blocks for all its known tokens."""
         if self.waiting and self.waiting[0] is seq:
             self.waiting.popleft()
         else:
@@ -258,26 +350,75 @@ class Scheduler:
         seq.num_tokens_at_admission = seq.num_tokens
         slot.running.append(seq)
         slot.num_admitted += 1
+        self.touched.add(slot.name)
+
+    def place(
+        self, seq: Sequence, here: list[WorkerSlot], elsewhere: bool, planning: list[WorkerSlot]
+    ) -> WorkerSlot | None:
+        """The worker that would serve ``seq`` soonest, or None when none can take it now.
+
+        ``here``: workers being planned whose pass has room for the prompt. ``elsewhere``: workers
+        not being planned (``planning``) are candidates too, while their queued prompt tokens are
+        under one pass (a prompt is bound to a worker at most a pass ahead) and they keep a block per
+        running sequence for its next decode. Every candidate must pass rule 2. Soonest: the smallest
+        ``placement.seconds_per_share`` (sequences in proportion to measured speed); ties (no
+        measurement yet) go to the worker with the larger share of free blocks, then fewer running
+        sequences.
+        """
+        candidates = [s for s in here if self.can_admit(s, seq)]
+        if elsewhere:
+            for slot in self.slots.values():
+                if (
+                    slot not in planning
+                    and self._queued_prompt_tokens(slot) < slot.token_budget
+                    and self.can_admit(slot, seq, extra_blocks=len(slot.running))
+                ):
+                    candidates.append(slot)
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            return candidates[0]
+        measured = [s.step_time for s in self.slots.values() if s.step_time.seconds(1) is not None]
+        fallback = measured[0] if measured else None
+
+        def key(s: WorkerSlot):
+            share = seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running))
+            return (round(share, 9), -s.account.num_free / s.account.num_blocks, len(s.running))
+
+        return min(candidates, key=key)
+
+    @staticmethod
+    def _queued_prompt_tokens(slot: WorkerSlot) -> int:
+        """Prompt tokens placed on ``slot`` that no plan has taken yet."""
+        return sum(seq.num_uncomputed for seq in slot.running if seq.in_prefill)
 
     def least_loaded(self, candidates: list[WorkerSlot]) -> WorkerSlot:
-        """Placement: the worker with the most free blocks, then the fewest running sequences."""
+        """The worker with the most free blocks (in proportion), then the fewest running sequences."""
         return max(candidates, key=lambda s: (s.account.num_free / s.account.num_blocks, -len(s.running)))
 
     def fail_plan(self, worker: str, message: str) -> list[TokenEvent]:
-        """The plan in flight on ``worker`` failed (not a lost worker): finish its sequences with an error.
+        """The oldest plan in flight on ``worker`` failed (not a lost worker): finish its sequences.
 
         Their blocks are released here and freed on the worker with its next plan, so a bad request
-        cannot wedge the worker or the engine.
+        cannot wedge the worker or the engine. Plans already sent after it were built on its
+        outcome: their sequences recompute instead of failing (``poisoned_through``).
         """
         slot = self.slots.get(worker)
-        if slot is None:
+        if slot is None or not slot.inflight:
             return []
+        record = slot.inflight.popleft()
+        poisoned = record.plan.step_id <= slot.poisoned_through
+        if slot.inflight:
+            slot.poisoned_through = slot.inflight[-1].plan.step_id
         events = []
-        for seq, _ in slot.entries:
-            if seq.status is SeqStatus.RUNNING and seq.worker == worker:
+        for seq, _, admitted_at in record.entries:
+            if not self._live(seq, worker, admitted_at):
+                continue
+            if poisoned:
+                self._to_waiting(seq)
+            else:
                 self._finish(seq, FinishReason.ABORT)
                 events.append(TokenEvent(seq.seq_id, None, FinishReason.ABORT, error=message))
-        slot.entries = []
         return events
 
     def fail_waiting(self, message: str, status: int) -> list[TokenEvent]:
@@ -292,26 +433,41 @@ class Scheduler:
         return events
 
     # ----- postprocess -----
+    @staticmethod
+    def _live(seq: Sequence, worker: str, admitted_at: int) -> bool:
+        return seq.status is SeqStatus.RUNNING and seq.worker == worker and seq.admitted_at == admitted_at
+
     def postprocess(self, worker: str, result: StepResult) -> list[TokenEvent]:
-        """Advance counters of the plan that ran on ``worker``; apply EOS / stop ids / length stops."""
+        """Apply the oldest plan in flight on ``worker``: new tokens, EOS / stop ids / length stops.
+
+        Tokens of sequences finished, preempted or moved since the plan was sent are dropped.
+        Raises ``SchedulerError`` when ``result`` does not answer that plan.
+        """
         slot = self.slots.get(worker)
-        if slot is None:
+        if slot is None or not slot.inflight:
             return []
+        record = slot.inflight.popleft()
+        if result.step_id != record.plan.step_id:
+            raise SchedulerError(
+                f"worker {worker}: result of step {result.step_id}, expected {record.plan.step_id}"
+            )
+        slot.step_time.observe(record.plan.num_tokens, result.forward_seconds)
         sampled = {t.seq_id: t for t in result.tokens}
         events = []
-        for seq, n in slot.entries:
-            if seq.status is not SeqStatus.RUNNING or seq.worker != worker:
-                continue  # aborted or moved while the step ran
-            seq.num_computed_tokens += n
+        for seq, _, admitted_at in record.entries:
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue
+            if not self._live(seq, worker, admitted_at):
+                if seq.status is SeqStatus.FINISHED:
+                    self.num_surplus_tokens += 1
+                continue
+            seq.num_pending -= 1
             seq.output_token_ids.append(tok.token_id)
             reason, hidden = self._stop_reason(seq, tok.token_id)
             events.append(TokenEvent(seq.seq_id, tok, reason, hidden))
             if reason is not None:
                 self._finish(seq, reason)
-        slot.entries = []
         return events
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, bool]:

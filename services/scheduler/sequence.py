@@ -24,7 +24,10 @@ class FinishReason(enum.Enum):
 class Sequence:
     """One request's tokens (prompt + generated) and progress.
 
-    num_computed_tokens: tokens whose K/V the worker holds (reset to 0 by a preemption).
+    num_computed_tokens: tokens whose K/V the worker holds or computes in a plan already sent
+        (advanced when a chunk is planned; reset to 0 by a preemption).
+    num_pending: tokens sampled by plans in flight whose ids are not known yet (0 or 1; with
+        overlap the next plan is built while the current one runs).
     num_preemptions: times this sequence was preempted (recompute) so far.
     worker: the worker the sequence runs on while RUNNING, else None.
     admitted_at: a counter value when it was last admitted (preemption picks the largest).
@@ -37,6 +40,7 @@ class Sequence:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -54,14 +58,19 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Tokens known or being sampled by a plan in flight: ``num_tokens + num_pending``."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
     def num_uncomputed(self) -> int:
-        """Known tokens whose K/V are not cached yet (1 for a sequence in decode)."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens (known or pending) whose K/V are not computed nor planned (1 for a sequence in decode)."""
+        return self.num_planned_tokens - self.num_computed_tokens
 
     @property
     def in_prefill(self) -> bool:
         """True while more than the last sampled token remain to run (prompt or recompute)."""
-        return self.num_uncomputed > 1 or not self.output_token_ids
+        return self.num_uncomputed > 1 or not (self.output_token_ids or self.num_pending)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Known token ids ``start:end`` (prompt then generated)."""

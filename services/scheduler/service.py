@@ -1,9 +1,17 @@
-"""The scheduler service: Redis in, gRPC workers out, one SplitFuse plan per worker per step.
+"""The scheduler service: the engine core with Redis in and gRPC workers out.
 
 ``fuseserve scheduler --redis-url URL`` reads requests through the consumer group (acknowledging an
 entry only when its sequence finished, so a restarted scheduler re-claims unfinished ones), discovers
-workers from their Redis records as they come and go, runs ``EngineLoop`` steps over gRPC handles,
-and publishes each step's token events in one write per gateway (``fuseserve.messages``).
+workers from their Redis records as they come and go, polls the ``EngineCore`` (each worker stepped
+on its own, its next plan sent while its pass runs) and publishes the token events of each poll in
+one write per gateway (``fuseserve.messages``). It reads new requests only while its workers have
+room for them, so requests stay in the stream for a scheduler that has room.
+
+Several schedulers can run (``fuseserve serve --schedulers N``, compose ``--scale scheduler=N``): each
+drives the workers it holds a lease on (``messages.worker_lease_key``), claims unleased ones up to its
+share, and takes over a dead scheduler's workers when their leases expire and its pending requests
+when they have been idle ``messages.CLAIM_IDLE_MS`` (XAUTOCLAIM). A taken-over request is recomputed
+from its prompt; its tokens carry their index, so the gateway drops those it already sent.
 """
 
 from __future__ import annotations
@@ -11,10 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import signal
 import socket
 import threading
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -25,7 +36,7 @@ from fuseserve import messages
 from fuseserve.config import EngineConfig
 from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.scheduler.engine_loop import EngineLoop
+from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import GrpcWorker
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
@@ -33,9 +44,24 @@ from fuseserve.scheduler.sequence import FinishReason, Sequence
 log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL_S = 0.5
+CLAIM_INTERVAL_S = 1.0  # how often pending requests of dead schedulers are looked for
 CONTROL_TRIM_INTERVAL_S = 10.0
+CONTROL_KEEP_S = 120.0  # control entries younger than this are kept (other schedulers may not have read them)
 STATS_INTERVAL_S = 1.0
 IDLE_BLOCK_MS = 20
+BUSY_POLL_S = 0.02  # longest wait for a worker result before new requests and aborts are read
+
+
+#: extend a lease only while this scheduler holds it
+_RENEW_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+return 0
+"""
+#: delete a lease only while this scheduler holds it
+_RELEASE_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
 
 
 @dataclass
@@ -47,7 +73,7 @@ class _Owner:
 
 class SchedulerMetrics:
     def __init__(self, port: int | None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
         self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
@@ -55,6 +81,18 @@ class SchedulerMetrics:
         self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
         self.preemptions = Counter(
             "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
+        )
+        self.cpu_per_step = Histogram(
+            "fuseserve_scheduler_cpu_seconds_per_worker_step",
+            "scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
+            registry=self.registry,
+            buckets=(2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05),
+        )
+        self.worker_idle = Histogram(
+            "fuseserve_scheduler_worker_idle_seconds",
+            "seconds a worker sat idle before a pass, as the workers report it",
+            registry=self.registry,
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
         )
         if port:
             start_http_server(port, registry=self.registry)
@@ -65,7 +103,7 @@ def _error_type(status: int) -> str:
 
 
 class SchedulerService:
-    """Owns the ``Scheduler``; single-threaded loop over Redis and gRPC."""
+    """Owns the ``EngineCore``; single-threaded loop over Redis and the core."""
 
     def __init__(
         self,
@@ -76,17 +114,26 @@ class SchedulerService:
     ):
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.config = config
-        self.scheduler = Scheduler(config, eos_token_ids=[])
-        self.loop = EngineLoop(self.scheduler, {})
-        self.consumer = consumer or f"{socket.gethostname()}-{int(time.time())}"
+        self.core = EngineCore(config, eos_token_ids=[])
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owners: dict[int, _Owner] = {}
+        self._leased: set[str] = set()  # workers this scheduler holds a lease on
+        self._lost_leases: set[str] = set()  # leases the heartbeat could not renew (another took them)
+        self._renew = self.r.register_script(_RENEW_LUA)
+        self._release = self.r.register_script(_RELEASE_LUA)
+        self._last_claim = 0.0
+        self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
         self._last_discovery = 0.0
         self._last_stats = 0.0
         self._last_trim = 0.0
         self._no_worker_since: float | None = None
         self._control_id = "0-0"
-        self.step_overheads: list[float] = []  # seconds per step not spent in worker forward passes
+        self._cpu0 = time.process_time()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
 
     # ----- setup -----
     def _setup_streams(self) -> None:
@@ -95,56 +142,81 @@ class SchedulerService:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-        # re-claim what a previous scheduler left unfinished (its pending entries)
-        start = "0-0"
-        while True:
-            start, entries, *_ = self.r.xautoclaim(
-                messages.REQUESTS,
-                messages.SCHEDULER_GROUP,
-                self.consumer,
-                min_idle_time=0,
-                start_id=start,
-                count=100,
-            )
-            self._add_requests(entries)
-            if start == "0-0" or not entries:
-                break
         # aborts sent while no scheduler ran apply to the re-claimed requests (processed entries are
         # trimmed as we go, so this reads only what nobody handled)
         self._control_id = "0-0"
         self._read_control()
 
+    def claim_orphans(self) -> None:
+        """Take over pending requests of dead schedulers (idle ``CLAIM_IDLE_MS``), as many as there
+        is room for. Live schedulers keep theirs fresh (``touch_pending``)."""
+        start = "0-0"
+        while self.room() > 0:
+            start, entries, *_ = self.r.xautoclaim(
+                messages.REQUESTS,
+                messages.SCHEDULER_GROUP,
+                self.consumer,
+                min_idle_time=messages.CLAIM_IDLE_MS,
+                start_id=start,
+                count=min(100, self.room()),
+            )
+            if entries:
+                log.warning("took over %d requests of a dead scheduler", len(entries))
+                self.num_taken_over += len(entries)
+            self._add_requests(entries)
+            if start == "0-0" or not entries:
+                break
+
+    def touch_pending(self) -> None:
+        """Re-deliver this scheduler's pending entries to itself (resets their idle time), so no other
+        scheduler takes them over while this one lives."""
+        ids = [o.entry_id for o in list(self.owners.values())]
+        for i in range(0, len(ids), 500):
+            self.r.xclaim(
+                messages.REQUESTS, messages.SCHEDULER_GROUP, self.consumer, 0, ids[i : i + 500], justid=True
+            )
+
     # ----- workers -----
     def discover(self) -> None:
-        """Add workers whose Redis record appeared; remove those whose record expired."""
+        """Follow the worker records: drop workers whose record expired, moved, or whose lease was
+        lost; claim unleased workers up to this scheduler's share; give an idle worker back when
+        holding more than the share."""
         records = {}
         for key in self.r.scan_iter(match=f"{messages.WORKER_PREFIX}*", count=100):
             raw = self.r.get(key)
             if raw:
                 rec = messages.WorkerRecord.decode(raw)
                 records[rec.worker_id] = rec
-        for wid in list(self.loop.workers):
-            if wid not in records or records[wid].address != self.loop.workers[wid].record.address:
-                log.warning("worker %s is gone; resuming its sequences elsewhere", wid)
-                self.scheduler.remove_worker(wid)
-                self.loop.workers.pop(wid).close()
+        workers = self.core.workers
+        for wid in list(workers):
+            lost = wid in self._lost_leases
+            if wid not in records or records[wid].address != workers[wid].record.address or lost:
+                log.warning(
+                    "worker %s is gone%s; resuming its sequences elsewhere", wid, " (lease lost)" * lost
+                )
+                self._drop_worker(wid)
+        self._lost_leases.clear()
+        live = sum(1 for _ in self.r.scan_iter(match=messages.scheduler_live_key("*"), count=100))
+        share = math.ceil(len(records) / max(1, live))
         for wid, rec in records.items():
-            if wid in self.loop.workers:
+            if wid in self.core.workers or len(self.core.workers) >= share:
                 continue
-            if wid in self.scheduler.slots:  # removed by the loop after a failed step
-                self.scheduler.remove_worker(wid)
+            lease = messages.worker_lease_key(wid)
+            if not self.r.set(lease, self.consumer, nx=True, px=messages.SCHEDULER_TTL_S * 1000):
+                continue  # another scheduler drives it
             handle = GrpcWorker(rec)
             try:
-                handle.reset()
+                handle.reset()  # a previous scheduler's sequences are gone with it
             except grpc.RpcError as e:
                 log.warning("worker %s at %s unreachable: %s", wid, rec.address, e.code())
                 handle.close()
+                self._release(keys=[lease], args=[self.consumer])
                 continue
+            self._leased.add(wid)
             self.scheduler.eos_token_ids = set(rec.eos_token_ids)
-            self.scheduler.add_worker(
-                wid, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
+            self.core.add_worker(
+                wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
             )
-            self.loop.add_worker(wid, handle)
             log.info(
                 "worker %s joined at %s (%d blocks, budget %d)",
                 wid,
@@ -152,7 +224,23 @@ class SchedulerService:
                 rec.num_blocks,
                 self.scheduler.slots[wid].token_budget,
             )
-        self.metrics.workers.set(len(self.loop.workers))
+        if len(self.core.workers) > share:  # another scheduler has fewer: hand over an idle worker
+            for wid, slot in list(self.scheduler.slots.items()):
+                if not (slot.running or slot.inflight or slot.pending_free):
+                    log.info("handing worker %s over (share %d)", wid, share)
+                    self._drop_worker(wid)
+                    break
+        self.metrics.workers.set(len(self.core.workers))
+
+    def _drop_worker(self, wid: str) -> None:
+        """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
+        handle = self.core.workers.get(wid)
+        self.core.remove_worker(wid)
+        if handle is not None:
+            handle.close()
+        if wid in self._leased:
+            self._leased.discard(wid)
+            self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
 
     # ----- requests -----
     def _add_requests(self, entries) -> None:
@@ -167,7 +255,7 @@ class SchedulerService:
             try:
                 params = SamplingParams.from_dict(msg.params)
                 seq = Sequence(msg.seq_id, msg.prompt_token_ids, params)
-                self.scheduler.add(seq)
+                self.core.add_request(seq)
             except FuseServeError as e:
                 errors[msg.gateway_id].append(
                     messages.TokenMessage(
@@ -181,26 +269,46 @@ class SchedulerService:
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
         self._publish(errors)
 
-    def _read_requests(self, block_ms: int | None) -> None:
-        resp = self.r.xreadgroup(
-            messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=256, block=block_ms
-        )
-        for _, entries in resp or []:
-            self._add_requests(entries)
+    def room(self) -> int:
+        """New sequences this scheduler's workers could take now (pull-based reading): free
+        sequence slots of its workers, less the sequences already waiting."""
+        cap = self.config.max_num_seqs
+        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values())
+        return free - len(self.scheduler.waiting)
+
+    def _read_inputs(self, block_ms: int | None) -> None:
+        """Aborts from the control stream and, while there is room, new requests: one round trip
+        (blocking up to ``block_ms`` for requests when idle; None: do not block)."""
+        count = min(256, self.room())
+        pipe = self.r.pipeline(transaction=False)
+        # with no room, wait on the control stream instead (an idle loop must not spin)
+        pipe.xread({messages.CONTROL: self._control_id}, count=1000, block=None if count > 0 else block_ms)
+        if count > 0:
+            pipe.xreadgroup(
+                messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=count, block=block_ms
+            )
+        control, *requests = pipe.execute()
+        self._apply_control(control)
+        for resp in requests:
+            for _, entries in resp or []:
+                self._add_requests(entries)
 
     def _trim_control(self) -> None:
-        if self._control_id != "0-0":
-            self.r.xtrim(messages.CONTROL, minid=self._control_id, approximate=True)
+        """Drop control entries older than ``CONTROL_KEEP_S`` (every scheduler has read them by then)."""
+        oldest_ms = int((time.time() - CONTROL_KEEP_S) * 1000)
+        self.r.xtrim(messages.CONTROL, minid=f"{oldest_ms}-0", approximate=True)
 
     def _read_control(self) -> None:
-        resp = self.r.xread({messages.CONTROL: self._control_id}, count=1000)
+        self._apply_control(self.r.xread({messages.CONTROL: self._control_id}, count=1000))
+
+    def _apply_control(self, resp) -> None:
         for _, entries in resp or []:
             for entry_id, fields in entries:
                 self._control_id = entry_id
                 msg = messages.ControlMessage.decode(fields)
                 if msg.kind == "abort" and msg.seq_id in self.owners:
                     reason = FinishReason.STOP if msg.reason == "stop" else FinishReason.ABORT
-                    self.scheduler.abort(msg.seq_id, reason)
+                    self.core.abort(msg.seq_id, reason)
                     self._finish(msg.seq_id)
 
     # ----- outputs -----
@@ -232,21 +340,25 @@ class SchedulerService:
             )
             if ev.finish_reason is not None:
                 finished.append(ev.seq_id)
-        self._publish(by_gateway)
-        for sid in finished:
-            self._finish(sid)
+        done = [self.owners.pop(sid).entry_id for sid in finished if sid in self.owners]
+        self._publish(by_gateway, done)
 
-    def _publish(self, by_gateway: dict[str, list[messages.TokenMessage]]) -> None:
-        if not by_gateway:
+    def _publish(self, by_gateway: dict[str, list[messages.TokenMessage]], ack_ids: list[str] = ()) -> None:
+        """One round trip: one batched write per gateway, then acknowledge (and delete) the request
+        entries of finished sequences (after their last token is written)."""
+        if not by_gateway and not ack_ids:
             return
         pipe = self.r.pipeline(transaction=False)
-        for gw, evs in by_gateway.items():  # one batched write per gateway per step
+        for gw, evs in by_gateway.items():
             pipe.xadd(
                 messages.responses_stream(gw),
                 messages.encode_events(evs),
                 maxlen=messages.RESPONSE_STREAM_MAXLEN,
                 approximate=True,
             )
+        if ack_ids:
+            pipe.xack(messages.REQUESTS, messages.SCHEDULER_GROUP, *ack_ids)
+            pipe.xdel(messages.REQUESTS, *ack_ids)
         pipe.execute()
 
     def _finish(self, seq_id: int) -> None:
@@ -260,50 +372,82 @@ class SchedulerService:
 
     # ----- loop -----
     def run_once(self) -> None:
-        """One iteration: discovery (periodic), control, new requests, one engine step, stats."""
+        """One iteration: discovery (periodic), control, new requests, one poll of the core, stats."""
         now = time.monotonic()
         if now - self._last_discovery >= DISCOVERY_INTERVAL_S:
             self.discover()
             self._last_discovery = now
-        self._read_control()
-        busy = self.scheduler.has_work and bool(self.loop.workers)
-        self._read_requests(None if busy else IDLE_BLOCK_MS)
-        if self.scheduler.has_work and self.loop.workers:
-            t0 = time.perf_counter()
+        if now - self._last_claim >= CLAIM_INTERVAL_S:
+            self.claim_orphans()
+            self._last_claim = now
+        busy = self.core.has_work and bool(self.scheduler.slots)
+        self._read_inputs(None if busy else IDLE_BLOCK_MS)
+        if self.core.has_work and self.scheduler.slots:
             preempted = self.scheduler.num_preemptions
-            events = self.loop.step()
+            idle_seen = self.core.stats.num_idle
+            events = self.core.poll(timeout=BUSY_POLL_S, record_cpu=False)
             self._publish_events(events)
-            elapsed = time.perf_counter() - t0
-            plans = self.loop.last_plans
-            if plans:  # tokens and seconds per pass are the workers' metrics; this is the path's cost
-                forward = max(self.loop.last_forward_seconds.values(), default=0.0)
-                self.step_overheads.append(elapsed - forward)
-                del self.step_overheads[:-10000]
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+            new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
+            for idle in list(self.core.stats.idle_s)[len(self.core.stats.idle_s) - new_idle :]:
+                self.metrics.worker_idle.observe(idle)
+            n = self.core.num_completions
+            if n:  # the process's CPU since the last worker-steps, spread over these
+                cpu = time.process_time()
+                self.stats_cpu(cpu - self._cpu0, n)
+                self._cpu0 = cpu
+        else:
+            self._cpu0 = time.process_time()
         self._fail_if_no_worker(now)
         if now - self._last_trim >= CONTROL_TRIM_INTERVAL_S:
             self._trim_control()
             self._last_trim = now
         if now - self._last_stats >= STATS_INTERVAL_S:
-            waiting, running = len(self.scheduler.waiting), self.scheduler.num_running
-            workers = {
-                name: {
-                    "admitted": s.num_admitted,
-                    "running": len(s.running),
-                    "free_blocks": s.account.num_free,
-                    "num_blocks": s.account.num_blocks,
-                }
-                for name, s in self.scheduler.slots.items()
-            }
-            stats = {"waiting": waiting, "running": running, "time": time.time(), "workers": workers}
-            self.r.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
-            self.metrics.queue_depth.set(waiting)
-            self.metrics.running.set(running)
+            self._write_stats()
             self._last_stats = now
+
+    def stats_cpu(self, seconds: float, num_steps: int) -> None:
+        """Record ``seconds`` of this process's CPU for ``num_steps`` worker-steps (stats + metric)."""
+        self.core.stats.add_cpu(seconds, num_steps)
+        for _ in range(num_steps):
+            self.metrics.cpu_per_step.observe(seconds / num_steps)
+
+    def _write_stats(self) -> None:
+        waiting, running = len(self.scheduler.waiting), self.scheduler.num_running
+        workers = {
+            name: {
+                "admitted": s.num_admitted,
+                "running": len(s.running),
+                "free_blocks": s.account.num_free,
+                "num_blocks": s.account.num_blocks,
+            }
+            for name, s in self.scheduler.slots.items()
+        }
+        cpu50, cpu99 = self.core.stats.cpu_per_step_ms()
+        idle50, idle99 = self.core.stats.idle_ms()
+        stats = {
+            "waiting": waiting,
+            "running": running,
+            "time": time.time(),
+            "workers": workers,
+            "worker_steps": self.core.stats.num_worker_steps,
+            "cpu_ms_per_worker_step": {"p50": cpu50, "p99": cpu99},
+            "worker_idle_ms": {"p50": idle50, "p99": idle99},
+            "surplus_tokens": self.scheduler.num_surplus_tokens,
+            "scheduler": self.consumer,
+            "pid": os.getpid(),
+            "taken_over": self.num_taken_over,
+        }
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
+        pipe.set(messages.scheduler_stats_key(self.consumer), json.dumps(stats), ex=10)
+        pipe.execute()
+        self.metrics.queue_depth.set(waiting)
+        self.metrics.running.set(running)
 
     def _fail_if_no_worker(self, now: float) -> None:
         """Requests waiting while no worker has been alive for ``NO_WORKER_GRACE_S`` fail with a 503."""
-        if self.loop.workers or not self.scheduler.waiting:
+        if self.scheduler.slots or not self.scheduler.waiting:
             self._no_worker_since = None
             return
         if self._no_worker_since is None:
@@ -317,13 +461,34 @@ class SchedulerService:
             self._publish_events(self.scheduler.fail_waiting("no worker is available", 503))
 
     def heartbeat(self, stop: threading.Event) -> None:
-        """Keep ``SCHEDULER_HEARTBEAT`` alive from a thread of its own (a long step must not stop it)."""
+        """From a thread of its own (a long step must not stop it), every ``HEARTBEAT_S``: keep
+        ``SCHEDULER_HEARTBEAT`` and this scheduler's liveness key alive, renew its worker leases
+        (noting any it lost) and keep its pending requests fresh."""
+        ttl = messages.SCHEDULER_TTL_S
         while not stop.is_set():
             try:
-                self.r.set(messages.SCHEDULER_HEARTBEAT, self.consumer, ex=messages.SCHEDULER_TTL_S)
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(messages.SCHEDULER_HEARTBEAT, self.consumer, ex=ttl)
+                pipe.set(messages.scheduler_live_key(self.consumer), os.getpid(), ex=ttl)
+                pipe.execute()
+                for wid in list(self._leased):
+                    key = messages.worker_lease_key(wid)
+                    if not self._renew(keys=[key], args=[self.consumer, ttl * 1000]):
+                        self._lost_leases.add(wid)
+                self.touch_pending()
             except redis.RedisError as e:
                 log.warning("scheduler heartbeat failed: %s", e)
             stop.wait(messages.HEARTBEAT_S)
+
+    def close(self) -> None:
+        """Give up this scheduler's worker leases and liveness key (a clean stop: others take over at once)."""
+        for wid in list(self._leased):
+            self._drop_worker(wid)
+        try:
+            self.r.delete(messages.scheduler_live_key(self.consumer))
+        except redis.RedisError:
+            pass
+        self.core.close()
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""
@@ -352,6 +517,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         policy=args.policy,
         block_size=args.block_size,
+        overlap=getattr(args, "overlap", True),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()
@@ -359,4 +525,5 @@ def run_scheduler(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print("fuseserve scheduler ready", flush=True)
     service.run(stop)
+    service.close()
     return 0

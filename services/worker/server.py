@@ -17,6 +17,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 import uuid
 from concurrent import futures
 
@@ -30,15 +31,40 @@ from fuseserve.proto import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
+#: seconds a plan waits for its predecessor (a lower step_id) before it runs anyway
+ORDER_WAIT_S = 5.0
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
-    """gRPC face of a runner (``runner.Runner``); steps run one at a time (runners are not re-entrant)."""
+    """gRPC face of a runner (``runner.Runner``: the model runner or the simulated one); steps run one
+    at a time (runners are not re-entrant).
+
+    A scheduler with overlap sends a worker's next plan while the current one runs, so two Step
+    calls can be in the server at once; they run in ``step_id`` order (numbered 0, 1, ... from the
+    scheduler's ``Free(all)``): a plan whose predecessor has not arrived waits for it up to
+    ``ORDER_WAIT_S``. A plan that arrived before the last ``Free(all)`` (a dead scheduler's, queued
+    behind a pass) or whose caller is gone is refused with ABORTED. The gap between the end of one
+    pass and the start of the next is reported as ``idle_seconds``.
+    """
 
     def __init__(self, runner, worker_id: str, model_name: str, metrics=None):
         self.runner = runner
         self.worker_id = worker_id
         self.model_name = model_name
         self.metrics = metrics
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._next_step: int | None = None  # step_id expected next; None: any (no scheduler yet)
+        self._last_end: float | None = None  # perf_counter at the end of the last pass
+        self._epoch = 0  # Free(all) calls so far: a scheduler (re)starting its session
+
+    def _wait_turn(self, step_id: int, epoch: int) -> None:
+        """With the lock held: wait until every plan numbered below ``step_id`` has run (or a
+        ``Free(all)`` ended the session the plan belongs to)."""
+        if self._next_step is None or step_id <= self._next_step:
+            return
+        ready = lambda: step_id <= self._next_step or epoch != self._epoch  # noqa: E731
+        if not self._lock.wait_for(ready, timeout=ORDER_WAIT_S):
+            log.warning("step %d ran without step %d (never arrived)", step_id, self._next_step)
 
     def Info(self, request, context):
         i = self.runner.info
@@ -56,21 +82,41 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def Step(self, request, context):
         plan = convert.step_plan_from_proto(request)
+        epoch = self._epoch  # plans sent before a Free(all) belong to a scheduler that is gone
         with self._lock:
+            self._wait_turn(plan.step_id, epoch)
+            if epoch != self._epoch or not context.is_active():
+                context.abort(grpc.StatusCode.ABORTED, "plan of a previous scheduler session")
+            start = time.perf_counter()
+            idle = None if self._last_end is None else start - self._last_end
             try:
                 result = self.runner.step(plan)
             except Exception as e:  # a bad plan must not kill the worker; the scheduler sees the error
                 log.exception("step %d failed", plan.step_id)
+                self._end_step(plan.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            self._end_step(plan.step_id)
             free = self.runner.num_free_blocks
+        time.sleep(0)  # hand the GIL to a plan queued behind this one: its pass starts now
+        result.idle_seconds = idle
         if self.metrics is not None:
-            self.metrics.observe_step(plan.num_tokens, len(result.tokens), result.forward_seconds, free)
+            self.metrics.observe_step(plan.num_tokens, len(result.tokens), result.forward_seconds, free, idle)
         return convert.step_result_to_proto(result, free)
+
+    def _end_step(self, step_id: int) -> None:
+        self._last_end = time.perf_counter()
+        self._next_step = step_id + 1
+        self._lock.notify_all()
 
     def Free(self, request, context):
         with self._lock:
             ids = list(self.runner.seqs) if request.all else list(request.seq_ids)
             self.runner.free(ids)
+            if request.all:  # a scheduler takes over: its plans are numbered from 0
+                self._epoch += 1
+                self._next_step = 0
+                self._last_end = None
+                self._lock.notify_all()
             return pb.FreeResponse(num_free_blocks=self.runner.num_free_blocks)
 
     def Health(self, request, context):
@@ -106,14 +152,30 @@ class WorkerMetrics:
         self.sampled_tokens = Counter(
             "fuseserve_sampled_tokens", "tokens sampled (generated) by this worker", registry=self.registry
         )
+        self.idle_seconds = Histogram(
+            "fuseserve_worker_idle_seconds",
+            "seconds between the end of a pass and the start of the next",
+            registry=self.registry,
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
+        )
+        self.busy_seconds = Counter(
+            "fuseserve_worker_busy_seconds_total", "seconds spent in passes", registry=self.registry
+        )
         server, _ = start_http_server(port, registry=self.registry)
         self.port: int = server.server_port
 
-    def observe_step(self, tokens: int, sampled: int, seconds: float, free_blocks: int) -> None:
+    def observe_step(
+        self, tokens: int, sampled: int, seconds: float, free_blocks: int, idle: float | None = None
+    ) -> None:
+        """Record one pass: ``tokens`` in it, ``sampled`` tokens it produced, its ``seconds``,
+        ``free_blocks`` after it, and the ``idle`` seconds before it (None: not measured)."""
         self.step_tokens.observe(tokens)
         self.sampled_tokens.inc(sampled)
         self.step_seconds.observe(seconds)
+        self.busy_seconds.inc(seconds)
         self.free_blocks.set(free_blocks)
+        if idle is not None:
+            self.idle_seconds.observe(idle)
 
 
 def model_runner(args: argparse.Namespace):

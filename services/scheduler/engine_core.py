@@ -1,0 +1,326 @@
+"""The engine core: the scheduler and the one registry of workers, each worker stepped on its own.
+
+The pipeline (``fuseserve/engine.py``) and the scheduler service (``services/scheduler/service.py``)
+are I/O adapters around one ``EngineCore``: they add requests and workers, call ``poll`` and deliver
+the token events it returns (to in-process queues, or to Redis streams).
+
+Each worker has a lane: plans go out in step order and results come back into one completion
+queue. When a worker's result arrives it is postprocessed and that worker gets its next plan at once,
+so a slow, stalled or lost worker never delays another. With ``overlap`` a worker holds up to two
+plans (the one running and the next one, built while it runs), so it never waits for the round trip
+through the scheduler; ``fuseserve.scheduler.scheduler`` explains how tokens not known yet are planned
+and how a stop learned one pass late is dropped.
+
+A worker handle either runs a plan (``step(plan) -> StepResult``, called from the lane's own thread,
+or inline for deterministic tests) or sends it ahead (``submit(plan) -> Future``, the gRPC client),
+in which case the worker itself runs plans in ``step_id`` order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import statistics
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fuseserve.config import EngineConfig
+from fuseserve.errors import WorkerLostError
+from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
+from fuseserve.scheduler.sequence import FinishReason, Sequence
+from fuseserve.types import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+_WAKE = object()
+
+
+class WorkerHandle(Protocol):
+    """What the core needs of a worker: run a plan, return the sampled tokens (may raise
+    ``WorkerLostError`` when the worker is gone, anything else when it rejected the plan)."""
+
+    def step(self, plan: StepPlan) -> StepResult: ...
+
+
+class _Lane:
+    """Carries one worker's plans out in order and its results into the core's completion queue."""
+
+    def __init__(self, name: str, handle, done: queue.SimpleQueue, threaded: bool):
+        self.name = name
+        self.handle = handle
+        self._done = done
+        self.results: dict[int, StepResult | Exception] = {}  # arrived, waiting for older plans
+        self._pool = None
+        if not hasattr(handle, "submit") and threaded:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{name}")
+
+    def submit(self, plan: StepPlan) -> None:
+        if hasattr(self.handle, "submit"):
+            fut: Future = self.handle.submit(plan)
+            fut.add_done_callback(lambda f, sid=plan.step_id: self._put(sid, f))
+        elif self._pool is not None:
+            self._pool.submit(self._run, plan)
+        else:
+            self._run(plan)
+
+    def _run(self, plan: StepPlan) -> None:
+        try:
+            result: StepResult | Exception = self.handle.step(plan)
+        except Exception as e:  # a lost worker must not take the core down
+            result = e
+        self._done.put((self, plan.step_id, result))
+
+    def _put(self, step_id: int, fut: Future) -> None:
+        e = fut.exception()
+        self._done.put((self, step_id, e if e is not None else fut.result()))
+
+    def close(self) -> None:
+        """Drop plans not started; wait for the one running (a thread must not die inside a pass)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+STATS_WINDOW = 20_000  # worker-steps kept in ``CoreStats``
+
+
+@dataclass
+class CoreStats:
+    """Measured costs over the last ``STATS_WINDOW`` worker-steps.
+
+    cpu_s: scheduler CPU seconds per worker-step (postprocess + next plan + hand-off, measured by
+        ``poll`` on its own thread; an adapter that measures its whole process instead records with
+        ``add_cpu``). idle_s: seconds a worker sat idle before a pass, as it reported
+        (``StepResult.idle_seconds``).
+    """
+
+    cpu_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    idle_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    num_worker_steps: int = 0
+    num_idle: int = 0  # idle times recorded so far (``idle_s`` keeps the last ones)
+
+    def add_cpu(self, seconds: float, num_steps: int) -> None:
+        """Spread ``seconds`` of CPU over ``num_steps`` worker-steps."""
+        if num_steps > 0:
+            self.cpu_s.extend([seconds / num_steps] * num_steps)
+
+    @staticmethod
+    def _p50_p99_ms(xs) -> tuple[float, float]:
+        if not xs:
+            return (float("nan"), float("nan"))
+        s = sorted(xs)
+        return (statistics.median(s) * 1e3, s[min(len(s) - 1, int(0.99 * len(s)))] * 1e3)
+
+    def cpu_per_step_ms(self) -> tuple[float, float]:
+        """Scheduler CPU per worker-step in milliseconds, ``(p50, p99)``."""
+        return self._p50_p99_ms(self.cpu_s)
+
+    def idle_ms(self) -> tuple[float, float]:
+        """Worker idle time between passes in milliseconds, ``(p50, p99)``."""
+        return self._p50_p99_ms(self.idle_s)
+
+
+class EngineCore:
+    """The ``Scheduler`` plus the workers it plans for; single-threaded owner of both.
+
+    Args:
+        config: engine configuration (token budget, policy, overlap, ...).
+        eos_token_ids: the model's EOS ids.
+        overlap: overrides ``config.overlap`` when given.
+    """
+
+    def __init__(self, config: EngineConfig, eos_token_ids: list[int], overlap: bool | None = None):
+        self.scheduler = Scheduler(config, eos_token_ids)
+        overlap = config.overlap if overlap is None else overlap
+        self.overlap = overlap
+        self.depth = 2 if overlap else 1
+        self.stats = CoreStats()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._lanes: dict[str, _Lane] = {}
+        self._dispatch_all = False
+        self.last_plans: dict[str, StepPlan] = {}  # plans sent by the last ``step`` / ``poll``
+        self.num_completions = 0  # worker-steps applied by the last ``poll``
+
+    # ----- registry -----
+    @property
+    def workers(self) -> dict[str, object]:
+        """Worker name → handle (read-only view of the registry)."""
+        return {name: slot.handle for name, slot in self.scheduler.slots.items()}
+
+    def add_worker(
+        self,
+        name: str,
+        handle,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        token_budget: int | None = None,
+        threaded: bool = True,
+    ) -> None:
+        """Register a worker. ``threaded=False`` runs its plans inline in ``step``/``poll`` (tests).
+
+        Raises ``SchedulerError`` when no token budget is known or the name is taken.
+        """
+        self.scheduler.add_worker(name, num_blocks, block_size, max_model_len, token_budget, handle)
+        self._lanes[name] = _Lane(name, handle, self._done, threaded)
+        self._dispatch_all = True
+
+    def remove_worker(self, name: str) -> list[Sequence]:
+        """Forget a worker; its sequences recompute elsewhere. Results still on their way are dropped."""
+        lane = self._lanes.pop(name, None)
+        if lane is not None:
+            lane.close()
+        self._dispatch_all = True
+        return self.scheduler.remove_worker(name)
+
+    # ----- requests -----
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a sequence. Raises ``ContextLengthExceededError`` / ``InvalidRequestError``."""
+        self.scheduler.add(seq)
+        self._dispatch_all = True
+
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        """Finish a sequence now; its blocks are freed with its worker's next plan."""
+        return self.scheduler.abort(seq_id, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def wakeup(self) -> None:
+        """Make a ``poll`` blocked in another thread return (new requests or commands arrived)."""
+        self._done.put(_WAKE)
+
+    # ----- stepping -----
+    def poll(self, timeout: float | None = None, record_cpu: bool = True) -> list[TokenEvent]:
+        """Send plans to workers with room, wait up to ``timeout`` seconds for results, apply every
+        result that has arrived (each worker's next plan goes out as soon as its result is applied).
+
+        Returns the token events of the applied results (empty on timeout or ``wakeup``).
+        ``record_cpu``: add this call's CPU per worker-step to ``stats`` (off when the caller
+        measures its whole process).
+        """
+        t0 = time.thread_time()  # CPU of this thread only: time blocked waiting is not counted
+        self.last_plans = {}
+        self.num_completions = 0
+        self._dispatch()
+        events: list[TokenEvent] = []
+        if not any(s.inflight for s in self.scheduler.slots.values()):
+            return events
+        try:
+            item = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return events
+        while True:
+            lane = self._arrived(item)
+            if lane is not None:
+                self._apply_ready(lane, None, events)
+            try:
+                item = self._done.get_nowait()
+            except queue.Empty:
+                break
+        self._dispatch()
+        if record_cpu:
+            self.stats.add_cpu(time.thread_time() - t0, self.num_completions)
+        return events
+
+    def step(self) -> list[TokenEvent]:
+        """One round for tests and simple drivers: send plans to every worker with room, then wait for
+        and apply the oldest plan in flight of each worker (results of later plans stay queued)."""
+        self.last_plans = {}
+        self.num_completions = 0
+        self._dispatch()
+        want = {name for name, slot in self.scheduler.slots.items() if slot.inflight}
+        events: list[TokenEvent] = []
+        while want:
+            for name in list(want):
+                lane = self._lanes.get(name)
+                if lane is None or self._apply_ready(lane, 1, events):
+                    want.discard(name)
+            if want:
+                self._arrived(self._done.get())
+        return events
+
+    def _arrived(self, item) -> _Lane | None:
+        """Keep a result that came back; returns its lane, or None (a wakeup, a removed worker's answer)."""
+        if item is _WAKE:
+            return None
+        lane, step_id, result = item
+        if self._lanes.get(lane.name) is not lane:
+            return None
+        lane.results[step_id] = result
+        return lane
+
+    def _apply_ready(self, lane: _Lane, limit: int | None, out: list[TokenEvent]) -> bool:
+        """Apply ``lane``'s arrived results in step order, at most ``limit``; True when one was applied.
+
+        Without a limit (``poll``) the worker's next plan goes out right after each result.
+        """
+        applied = 0
+        while limit is None or applied < limit:
+            slot = self.scheduler.slots.get(lane.name)
+            if slot is None or not slot.inflight:
+                break
+            result = lane.results.pop(slot.inflight[0].plan.step_id, None)
+            if result is None:
+                break
+            out.extend(self._apply(lane, result))
+            applied += 1
+            self.num_completions += 1
+            if limit is None:
+                self._dispatch_worker(lane.name)
+            else:  # ``step``: at the start of the next round
+                self.scheduler.touched.add(lane.name)
+        return applied > 0
+
+    def _apply(self, lane: _Lane, result: StepResult | Exception) -> list[TokenEvent]:
+        name = lane.name
+        if isinstance(result, WorkerLostError):
+            log.error("worker %s lost (%s); resuming its sequences elsewhere", name, result)
+            self.remove_worker(name)
+            return []
+        if isinstance(result, Exception):  # the plan failed, the worker lives: fail those sequences
+            log.error("step on worker %s failed: %s: %s", name, type(result).__name__, result)
+            return self.scheduler.fail_plan(name, f"{type(result).__name__}: {result}")
+        self.stats.num_worker_steps += 1
+        idle = getattr(result, "idle_seconds", None)
+        if idle is not None and idle >= 0:
+            self.stats.idle_s.append(idle)
+            self.stats.num_idle += 1
+        return self.scheduler.postprocess(name, result)
+
+    def _dispatch(self) -> None:
+        """Send plans to every worker that may need one (new requests, work placed on it, frees)."""
+        names = list(self.scheduler.slots) if self._dispatch_all else list(self.scheduler.touched)
+        self._dispatch_all = False
+        while names:
+            self.scheduler.touched.clear()
+            self._dispatch_workers(names)
+            names = list(self.scheduler.touched)  # planning placed prompts on other workers
+
+    def _dispatch_worker(self, name: str) -> None:
+        self._dispatch_workers([name])
+
+    def _dispatch_workers(self, names: list[str]) -> None:
+        """Fill each named worker's lane up to ``depth`` plans, planning the workers together."""
+        while True:
+            ready = [
+                n
+                for n in names
+                if n in self._lanes
+                and n in self.scheduler.slots
+                and len(self.scheduler.slots[n].inflight) < self.depth
+            ]
+            if not ready:
+                return
+            plans = self.scheduler.schedule_workers(ready)
+            for name, plan in plans.items():
+                self.last_plans[name] = plan
+                self._lanes[name].submit(plan)
+            names = list(plans)
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()

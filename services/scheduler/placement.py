@@ -1,0 +1,73 @@
+"""Placement by capacity: each worker's measured step-time curve gives its speed; sequences are
+shared out in proportion to speed.
+
+A worker reports the seconds of every pass (``StepResult.forward_seconds``). Pass time is close to
+linear in the tokens of the pass (``seconds ≈ a + b x tokens``, the paper's measured fact that latency
+depends mainly on the token count), so each worker keeps a least-squares fit over its recent passes,
+and its speed is ``budget / t(budget)`` tokens per second at a full pass. A new sequence goes where
+``(sequences held + 1) / speed`` is smallest: every worker then holds sequences in proportion to its
+speed, its passes are as full as the others', and a sequence waits about as long wherever it is
+placed. A worker 3x slower holds, and serves, about a third as much.
+"""
+
+from __future__ import annotations
+
+import collections
+
+
+class StepTimeModel:
+    """Least-squares line ``seconds = a + b x tokens`` over a worker's last ``window`` passes.
+
+    The fit is refreshed every ``refit_every`` samples (it is read for every placement).
+    """
+
+    def __init__(self, window: int = 64, refit_every: int = 8):
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.refit_every = refit_every
+        self._since_fit = 0
+        self._coef: tuple[float, float] | None = None
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Record one pass of ``num_tokens`` tokens that took ``seconds`` (ignored when not positive)."""
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        self.samples.append((num_tokens, seconds))
+        self._since_fit += 1
+        if self._coef is None or self._since_fit >= self.refit_every:
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        n = len(self.samples)
+        mx = sum(x for x, _ in self.samples) / n
+        my = sum(y for _, y in self.samples) / n
+        sxx = sum((x - mx) ** 2 for x, _ in self.samples)
+        if sxx <= 1e-9:  # every pass had the same size: no slope to learn, time proportional to tokens
+            self._coef = (0.0, my / mx)
+            return
+        b = max(0.0, sum((x - mx) * (y - my) for x, y in self.samples) / sxx)
+        self._coef = (max(0.0, my - b * mx), b)
+
+    def seconds(self, num_tokens: int) -> float | None:
+        """Predicted seconds of a pass of ``num_tokens`` tokens; None before the first measured pass."""
+        if self._coef is None:
+            return None
+        a, b = self._coef
+        return a + b * num_tokens
+
+
+def seconds_per_share(
+    model: StepTimeModel, fallback: StepTimeModel | None, token_budget: int, num_seqs: int
+) -> float:
+    """``(num_seqs + 1) x t(budget) / budget``: the seconds of worker time per token of a full pass,
+    times the sequences sharing it once one more is placed (smaller: serves a new sequence sooner).
+
+    ``fallback`` stands in for a worker with no measured pass yet; with neither, 0.0 (no information:
+    the caller breaks the tie on free blocks).
+    """
+    t = model.seconds(token_budget)
+    if t is None and fallback is not None:
+        t = fallback.seconds(token_budget)
+    if t is None:
+        return 0.0
+    return (num_seqs + 1) * t / token_budget

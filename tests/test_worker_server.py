@@ -1,0 +1,78 @@
+"""The worker's gRPC server with overlap: plans sent ahead run in step order, report the idle gap
+before them, and a dead scheduler's plan still queued after a ``Free(all)`` is refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from fuseserve import messages
+from fuseserve.proto import convert
+from fuseserve.proto import worker_pb2_grpc as pb_grpc
+from fuseserve.redis_launcher import free_port
+from fuseserve.scheduler.grpc_worker import GrpcWorker
+from fuseserve.types import StepPlan, StepResult
+from fuseserve.worker.server import WorkerServicer
+
+
+class _SlowRunner:
+    """Records the order plans run in; each pass takes ``pass_s`` seconds."""
+
+    def __init__(self, pass_s: float = 0.05):
+        self.pass_s = pass_s
+        self.order: list[int] = []
+        self.seqs: dict[int, object] = {}
+        self.num_free_blocks = 10
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.order.append(plan.step_id)
+        time.sleep(self.pass_s)
+        return StepResult(plan.step_id, [], forward_seconds=self.pass_s)
+
+    def free(self, ids) -> None:
+        pass
+
+
+@pytest.fixture
+def worker():
+    runner = _SlowRunner()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=convert.GRPC_OPTIONS)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, "w0", "dummy"), server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    server.start()
+    record = messages.WorkerRecord("w0", f"127.0.0.1:{port}", "dummy", 16, 10, 2048, 100, [2], 64)
+    handle = GrpcWorker(record)
+    yield runner, handle
+    handle.close()
+    server.stop(grace=None)
+
+
+def test_plans_sent_ahead_run_in_step_order_back_to_back(worker):
+    runner, handle = worker
+    handle.reset()
+    first = handle.submit(StepPlan(0))
+    time.sleep(0.01)  # plan 0 is running: plans 2 and 1 arrive out of order behind it
+    later = [handle.submit(StepPlan(2)), handle.submit(StepPlan(1))]
+    results = [f.result(timeout=10) for f in [first, *later]]
+    assert runner.order == [0, 1, 2]
+    assert results[0].idle_seconds is None  # the first pass after Free(all): nothing to measure
+    # plans 1 and 2 were queued on the worker: each started as soon as the previous pass ended
+    assert all(r.idle_seconds is not None and r.idle_seconds < 0.02 for r in results[1:])
+
+
+def test_a_dead_schedulers_queued_plan_is_refused_after_free_all(worker):
+    runner, handle = worker
+    handle.reset()
+    handle.step(StepPlan(0))
+    stale = handle.submit(StepPlan(5))  # waits for plans 1..4, which never come
+    time.sleep(0.1)
+    threading.Thread(target=handle.reset).start()  # a new scheduler takes the worker over
+    with pytest.raises(RuntimeError, match="ABORTED"):
+        stale.result(timeout=10)
+    assert runner.order == [0]
+    assert handle.step(StepPlan(0)).step_id == 0  # the new session's plans run
+    assert runner.order == [0, 0]
