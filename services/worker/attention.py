@@ -2,7 +2,7 @@
 
 Model files call ``attention(layer_idx, q, k, v, scale, sliding_window=..., soft_cap=...)``; the backend (torch reference, Triton,
 flash-attn) and its per-pass metadata come from the ``ForwardContext`` the runner opens around the
-forward pass. Model code never branches on the device or the backend (STYLE 6, 9).
+forward pass. Model code never branches on the device or the backend.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Paged KV cache: per-layer block tensors (the allocator and block tables are in ``blocks.py``).
 
-Layout per layer (DESIGN "Engine vocabulary"): K and V are ``[num_blocks, block_size, num_kv_heads,
+Layout per layer (``docs/architecture.md``, "Vocabulary"): K and V are ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. Token ``pos`` of a sequence lives in slot ``block_table[pos // block_size] * block_size
 + pos % block_size`` of the flattened ``[num_blocks * block_size, num_kv_heads, head_dim]`` view.
 """

@@ -2,7 +2,7 @@
 
 It owns the model, the paged KV cache with its block allocator and per-sequence block tables, and
 per-sequence state (sampling state, last sampled token, tokens whose KV it holds). The same runner
-serves the in-process pipeline and the gRPC worker (STYLE 5).
+serves the in-process pipeline and the gRPC worker (``docs/architecture.md``).
 """
 
 from __future__ import annotations

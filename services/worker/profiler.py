@@ -1,4 +1,4 @@
-"""Choose the token budget by measuring forward latency against tokens per pass (DESIGN rule 4).
+"""Choose the token budget by measuring forward latency against tokens per pass (SplitFuse rule 4).
 
 Throughput ``n / latency(n)`` rises with the pass size and saturates (paper §3.1: concave). The
 budget is the knee: the smallest measured size whose throughput reaches ``KNEE_FRACTION`` of the

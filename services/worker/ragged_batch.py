@@ -1,4 +1,4 @@
-"""The flattened ragged batch of one forward pass (DESIGN "Engine vocabulary").
+"""The flattened ragged batch of one forward pass (``docs/architecture.md``, "Vocabulary").
 
 S sequences contribute chunks of different lengths; their T tokens are concatenated. Built by the
 model runner's prepare stage from a ``StepPlan`` and the worker's block tables.
