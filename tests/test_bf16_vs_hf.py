@@ -1,6 +1,6 @@
 """bf16 logits of fuseserve's model files against ``transformers`` in bf16 on the same random weights.
 
-The tiny LLaMA / Mistral / OPT checkpoints of ``test_models_vs_hf`` are loaded by both in bf16 (the
+The tiny checkpoints of every family in ``test_models_vs_hf`` are loaded by both in bf16 (the
 checkpoint is fp32; both cast once at load). Each prompt runs in one pass, in chunks of 7, and packed
 beside other sequences' chunks and decode-shaped entries.
 
@@ -9,6 +9,10 @@ rounding of a value in [0.5, 1) moves it by up to 2e-3, and the two implementati
 places: fused vs separate projections, norm and softmax order). The fp32 implementations agree to
 1e-4 (``test_models_vs_hf``), so anything beyond bf16 rounding would show far above this bound; the
 test also checks that bf16 really ran (the bf16 logits differ from the fp32 ones).
+
+Mixtral gets ``atol = 0.075``: fuseserve rounds the router's top-k weights to bf16 before weighting
+the experts (as ``transformers``' Qwen3-MoE does), while ``transformers``' Mixtral weights them in
+fp32 (README, "Where fuseserve differs"); measured worst position 0.051 with a median of 0.002.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from fuseserve.config import EngineConfig
 from fuseserve.worker.model_runner import ModelRunner
 
 ATOL = 0.05
+ATOL_BY_FAMILY = {"mixtral-top2of8": 0.075}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -55,22 +60,28 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("chunk", [1000, 7])
 def test_bf16_chunked_prompt_matches_transformers_bf16(family_bf16, chunk):
-    _, hf, hf32, runner = family_bf16
+    name, hf, hf32, runner = family_bf16
     tokens = prompt(1, 90, hf.config.vocab_size)
     ours = chunked_logits(runner, {1: tokens}, {1: chunk})[1]
     assert ours.dtype == torch.float32  # logits reach sampling in fp32
     want = hf_logits(hf, tokens)
-    torch.testing.assert_close(ours, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours, want, atol=ATOL_BY_FAMILY.get(name, ATOL), rtol=0)
     assert (ours - hf_logits(hf32, tokens)).abs().max() > 1e-4  # bf16 really ran
     assert runner.num_free_blocks == runner.info.num_blocks
 
 
 def test_bf16_packed_with_other_sequences(family_bf16):
-    _, hf, _, runner = family_bf16
+    name, hf, _, runner = family_bf16
     v = hf.config.vocab_size
     prompts = {1: prompt(1, 75, v), 2: prompt(2, 150, v), 3: prompt(3, 41, v), 4: prompt(4, 23, v)}
     sizes = {1: 7, 2: 64, 3: 1, 4: 1}
     ours = chunked_logits(runner, prompts, sizes)
     for sid, tokens in prompts.items():
-        torch.testing.assert_close(ours[sid], hf_logits(hf, tokens), atol=ATOL, rtol=0, msg=f"sequence {sid}")
+        torch.testing.assert_close(
+            ours[sid],
+            hf_logits(hf, tokens),
+            atol=ATOL_BY_FAMILY.get(name, ATOL),
+            rtol=0,
+            msg=f"sequence {sid}",
+        )
     assert runner.num_free_blocks == runner.info.num_blocks

@@ -6,7 +6,8 @@ from __future__ import annotations
 def tiny_llama_runner(path, **engine):
     """Save a random tiny LLaMA to ``path`` and return a CPU ``ModelRunner`` on it.
 
-    ``engine``: ``EngineConfig`` fields (``kv_cache_memory``, ``block_size``, ...); device is CPU.
+    ``engine``: ``EngineConfig`` fields (``kv_cache_memory``, ``block_size``, ...); device is CPU, dtype
+    float32 unless given.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -23,4 +24,5 @@ def tiny_llama_runner(path, **engine):
         architectures=["LlamaForCausalLM"],
     )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    engine.setdefault("dtype", "float32")  # fixed block sizes in bytes; ``auto`` is bf16 on some CPUs
     return ModelRunner(path, cfg, [0], EngineConfig(device="cpu", **engine), progress=False)
