@@ -7,7 +7,9 @@ The same 48 requests (prompts ~ Normal(200, 0.3 x 200) tokens sliced from the re
 (fresh memory, a wall-clock limit: transformers in bf16 has been seen to take over 10 minutes here),
 one after the other in this one run. The matmul (GEMM) peak of each dtype is measured in this run too
 (best of six 0.5-s samples of a 1024^3 matmul, before and after the systems), and MFU is
-(prompt + generated tokens)/s x matmul FLOPs per token / that peak.
+(prompt + generated tokens)/s x matmul FLOPs per token / that peak; ``mfu_vs_peak_after`` divides by
+the best of four samples taken right after each system's timed run instead (on a shared machine the
+load, and so the peak, moves from minute to minute).
 
 ``python -m benchmarks.offline_peers [--dtypes float32,bfloat16] [--out results/offline_peers.json]``
 """
@@ -84,6 +86,8 @@ def run_one(system: str, dtype: str, a: argparse.Namespace) -> dict:
         generated = sum(len(o.generated_tokens) for o in outs.values())
         extra = {"attn_implementation": "sdpa (paged)"}
     prompt_tokens = sum(len(p) for p in prompts)
+    # the GEMM peak again, right after the timed run in the same process (the load moves by minutes)
+    extra["gemm_peak_after_flops"] = max(gemm_flops(getattr(torch, dtype)) for _ in range(4))
     return {
         "system": system,
         "dtype": dtype,
@@ -147,6 +151,7 @@ def main() -> None:
     for rec in records:
         if "tokens_per_s" in rec:
             rec["mfu"] = rec["tokens_per_s"] * flops / summary["gemm_peak_flops"][rec["dtype"]]
+            rec["mfu_vs_peak_after"] = rec["tokens_per_s"] * flops / rec["gemm_peak_after_flops"]
     for d in dtypes:
         ours = next((r for r in records if r["dtype"] == d and r["system"] == "fuseserve"), {})
         theirs = next((r for r in records if r["dtype"] == d and r["system"] == "transformers-cb"), {})

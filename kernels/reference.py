@@ -1,4 +1,5 @@
-"""PyTorch reference for paged ragged attention and the KV-cache write (the CPU path).
+"""PyTorch reference for paged ragged attention and the KV-cache write (the test oracle, and the CPU
+fallback where the C++ operator in ``cpu_attention.py`` cannot be built).
 
 Every other kernel (Triton, flash-attn) is tested against these functions. Shapes:
 ``q [T, num_heads, head_dim]``, ``k/v [T, num_kv_heads, head_dim]``, caches

@@ -4,11 +4,12 @@ The tiny checkpoints of every family in ``test_models_vs_hf`` are loaded by both
 checkpoint is fp32; both cast once at load). Each prompt runs in one pass, in chunks of 7, and packed
 beside other sequences' chunks and decode-shaped entries.
 
-Tolerance: ``atol = 0.05`` on logits of magnitude up to ~1.5 (bf16 keeps 8 significant bits, so one
+Tolerance: ``atol = 0.02`` on logits of magnitude up to ~1.3 (bf16 keeps 8 significant bits, so one
 rounding of a value in [0.5, 1) moves it by up to 2e-3, and the two implementations round at different
-places: fused vs separate projections, norm and softmax order). The fp32 implementations agree to
-1e-4 (``test_models_vs_hf``), so anything beyond bf16 rounding would show far above this bound; the
-test also checks that bf16 really ran (the bf16 logits differ from the fp32 ones).
+places: fused vs separate projections, norm and softmax order). Measured on the LLaMA / Mistral / OPT
+checkpoints: at most 0.0078 (llama-tied), 0.004 for the others, about what ``transformers`` bf16 itself is from its fp32 (0.0045). The fp32
+implementations agree to 1e-4 (``test_models_vs_hf``), so a real error would show far above this
+bound; the test also checks that bf16 really ran (the bf16 logits differ from the fp32 ones).
 
 Mixtral gets ``atol = 0.075``: fuseserve rounds the router's top-k weights to bf16 before weighting
 the experts (as ``transformers``' Qwen3-MoE does), while ``transformers``' Mixtral weights them in
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from fuseserve.config import EngineConfig
 from fuseserve.worker.model_runner import ModelRunner
 
-ATOL = 0.05
+ATOL = 0.02
 ATOL_BY_FAMILY = {"mixtral-top2of8": 0.075}
 
 

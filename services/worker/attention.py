@@ -65,7 +65,8 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """PyTorch reference backend (``fuseserve.kernels.reference``): the CPU path and the test oracle."""
+    """PyTorch reference backend (``fuseserve.kernels.reference``): the test oracle, and the CPU fallback
+    when the C++ operator cannot be built."""
 
     name = "torch"
 
