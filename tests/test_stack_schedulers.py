@@ -25,16 +25,19 @@ PROMPTS = [f"Write a sentence about the number {i}." for i in range(NUM_REQUESTS
 def stack(smollm2_source):
     import fuseserve
 
-    with fuseserve.serve(
-        MODEL,
-        workers=2,
-        schedulers=2,
-        port=free_port(),
-        token_budget=32,
-        kv_cache_memory="64MiB",
-        device="cpu",
-        threads=1,
-    ) as server:
+    with (
+        fuseserve.serve(
+            MODEL,
+            workers=2,
+            schedulers=2,
+            port=free_port(),
+            token_budget=32,
+            kv_cache_memory="64MiB",
+            device="cpu",
+            dtype="float32",  # exact text after a takeover: bf16 rounding depends on the batch a recompute lands in
+            threads=1,
+        ) as server
+    ):
         yield server.stack, server.url
 
 
