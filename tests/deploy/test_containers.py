@@ -99,6 +99,13 @@ def _containers(service: str | None = None, all_states: bool = False) -> list[st
     return sorted(_run(*cmd).split())
 
 
+def _health_states() -> dict[str, str]:
+    """Container name -> health status ("healthy", "starting", "unhealthy") of the project."""
+    names = _containers()
+    out = _run("podman", "inspect", "--format", "{{.Name}} {{.State.Health.Status}}", *names)
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
 @pytest.fixture(scope="module")
 def stack():
     _ensure_tools()
@@ -122,6 +129,10 @@ def stack():
             pytest.fail(f"stack not up with 2 workers after {UP_TIMEOUT_S} s (health {health}):\n{logs[-6000:]}")
         time.sleep(3)
     REPORT["stack_up_s"] = round(time.monotonic() - t0, 1)
+    while (states := _health_states()) and set(states.values()) != {"healthy"}:  # HEALTHCHECKs pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"containers not healthy after {UP_TIMEOUT_S} s: {states}")
+        time.sleep(3)
     yield port, env
     if os.environ.get("FUSESERVE_KEEP_STACK") != "1":
         _compose("down", "-v", "--remove-orphans", env=env, check=False)
