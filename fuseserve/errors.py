@@ -109,3 +109,8 @@ class NoWorkerError(FuseServeError):
 
     http_status = 503
     error_type = "service_unavailable"
+
+
+class AttentionBackendUnavailableError(FuseServeError):
+    """A forced attention backend cannot run here (package missing, no GPU, unsupported block size
+    or dtype); the message says why."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuseserve.errors import InvalidParameterError
+from fuseserve.errors import AttentionBackendUnavailableError, InvalidParameterError
 from fuseserve.kernels import flash_attn
-from fuseserve.worker.attention import AttentionBackendUnavailableError, TorchAttentionBackend, get_backend
+from fuseserve.worker.attention import TorchAttentionBackend, get_backend
 
 CUDA = torch.device("cuda") if torch.cuda.is_available() else None
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -19,17 +18,12 @@ from typing import Any
 import torch
 
 from fuseserve.config import ATTENTION_BACKENDS
-from fuseserve.errors import FuseServeError, InvalidParameterError
+from fuseserve.errors import AttentionBackendUnavailableError, InvalidParameterError
 from fuseserve.kernels import cpu_attention, reference
 from fuseserve.worker.kv_cache import KVCache
 from fuseserve.worker.ragged_batch import RaggedBatch
 
 log = logging.getLogger(__name__)
-
-
-class AttentionBackendUnavailableError(FuseServeError):
-    """A forced attention backend cannot run here (package missing, no GPU, unsupported block size
-    or dtype); the message says why."""
 
 
 class AttentionBackend(ABC):
@@ -98,11 +92,6 @@ class CpuAttentionBackend(AttentionBackend):
         return cpu_attention.write_and_attend(
             q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap
         )
-
-
-@functools.cache
-def _cpu_fallback_warning(reason: str) -> None:
-    log.warning("CPU attention operator unavailable, using the PyTorch reference: %s", reason)
 
 
 @dataclass
@@ -231,10 +220,11 @@ def triton_unavailable_reason(device: torch.device | None) -> str | None:
 _LOGGED: set[tuple[str, str]] = set()
 
 
-def _log_choice(name: str, why: str) -> None:
+def _log_choice(name: str, why: str, level: int = logging.INFO) -> None:
+    """Log the backend chosen and why, once per distinct choice."""
     if (name, why) not in _LOGGED:
         _LOGGED.add((name, why))
-        log.info("attention backend: %s (%s)", name, why)
+        log.log(level, "attention backend: %s (%s)", name, why)
 
 
 def get_backend(
@@ -292,12 +282,13 @@ def get_backend(
     if triton_reason is None:
         _log_choice("triton", f"auto; not flash-attn: {flash_reason}")
         return TritonAttentionBackend()
-    if device is None or torch.device(device).type == "cpu":
-        try:
-            backend = CpuAttentionBackend()
-            _log_choice("cpu", "auto")
-            return backend
-        except cpu_attention.CpuKernelUnavailable as e:
-            _cpu_fallback_warning(str(e))
-    _log_choice("torch", f"auto; not flash-attn: {flash_reason}; not triton: {triton_reason}")
-    return TorchAttentionBackend()
+    if device is not None and torch.device(device).type != "cpu":
+        _log_choice("torch", f"auto; not flash-attn: {flash_reason}; not triton: {triton_reason}")
+        return TorchAttentionBackend()
+    try:
+        backend = CpuAttentionBackend()
+    except cpu_attention.CpuKernelUnavailable as e:
+        _log_choice("torch", f"auto; the CPU attention operator is unavailable: {e}", logging.WARNING)
+        return TorchAttentionBackend()
+    _log_choice("cpu", "auto")
+    return backend
