@@ -65,7 +65,7 @@ def twins(real_runner) -> tuple[object, SimulatedRunner]:
 def same_state(real, sim) -> None:
     assert sim.num_free_blocks == real.num_free_blocks
     blocks = {
-        sid: len(t) for sid, t in real.block_tables.tables.items()
+        sid: len(t) for sid, t in real.seq_table.block_tables.tables.items()
     }  # ids depend on the free list's past
     assert {sid: len(t) for sid, t in sim.seq_table.block_tables.tables.items()} == blocks
     assert {k: v.num_computed for k, v in sim.seqs.items()} == {

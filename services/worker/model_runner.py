@@ -76,8 +76,6 @@ class ModelRunner:
         self.seq_table = SeqTable(
             num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
         )
-        self.allocator = self.seq_table.allocator
-        self.block_tables = self.seq_table.block_tables
         self.seqs: dict[int, WorkerSeq] = self.seq_table.seqs
         self.vocab_size = args.vocab_size
         self.sampler = Sampler(eos_token_ids, self.vocab_size)
