@@ -41,7 +41,9 @@ def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
 
 
-@pytest.mark.parametrize("path", [KUBERNETES, KUBERNETES / "overlays/servicemonitor"], ids=["base", "servicemonitor"])
+@pytest.mark.parametrize(
+    "path", [KUBERNETES, KUBERNETES / "overlays/servicemonitor"], ids=["base", "servicemonitor"]
+)
 def test_every_object_validates_against_the_kubernetes_schema(path):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     version = kubernetes_validate.latest_version()
@@ -110,7 +112,10 @@ def test_keda_scales_the_workers_on_the_requests_stream(objects):
     assert trigger["metadata"]["stream"] == messages.REQUESTS
     assert trigger["metadata"]["consumerGroup"] == messages.SCHEDULER_GROUP
     auth = by_kind(objects, "TriggerAuthentication")[trigger["authenticationRef"]["name"]]
-    assert auth["spec"]["secretTargetRef"][0]["name"] == by_kind(objects, "Secret")["redis-auth"]["metadata"]["name"]
+    assert (
+        auth["spec"]["secretTargetRef"][0]["name"]
+        == by_kind(objects, "Secret")["redis-auth"]["metadata"]["name"]
+    )
 
 
 def test_servicemonitor_overlay_selects_the_metrics_services():

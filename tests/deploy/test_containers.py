@@ -55,7 +55,9 @@ def _run(*cmd: str, timeout: float = 600, check: bool = True, env: dict | None =
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     return result.stdout
 
 
@@ -91,7 +93,14 @@ def _health(port: int) -> dict | None:
 
 
 def _containers(service: str | None = None, all_states: bool = False) -> list[str]:
-    cmd = ["podman", "ps", "--format", "{{.Names}}", "--filter", f"label=com.docker.compose.project={PROJECT}"]
+    cmd = [
+        "podman",
+        "ps",
+        "--format",
+        "{{.Names}}",
+        "--filter",
+        f"label=com.docker.compose.project={PROJECT}",
+    ]
     if service:
         cmd += ["--filter", f"label=com.docker.compose.service={service}"]
     if all_states:
@@ -126,7 +135,9 @@ def stack():
     while (health := _health(port)) is None or health.get("workers") != 2:
         if time.monotonic() > deadline:
             logs = _compose("logs", "--tail", "40", env=env, check=False)
-            pytest.fail(f"stack not up with 2 workers after {UP_TIMEOUT_S} s (health {health}):\n{logs[-6000:]}")
+            pytest.fail(
+                f"stack not up with 2 workers after {UP_TIMEOUT_S} s (health {health}):\n{logs[-6000:]}"
+            )
         time.sleep(3)
     REPORT["stack_up_s"] = round(time.monotonic() - t0, 1)
     while (states := _health_states()) and set(states.values()) != {"healthy"}:  # HEALTHCHECKs pass
