@@ -9,7 +9,6 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import pytest
 
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
@@ -23,8 +22,6 @@ GENERATED = ("worker_pb2.py", "worker_pb2_grpc.py", "worker_pb2.pyi")
 
 
 def _full_params() -> SamplingParams:
-    if not hasattr(SamplingParams, "top_p"):
-        pytest.skip("fuseserve.sampling_params.SamplingParams is still the placeholder")
     return SamplingParams(
         max_new_tokens=64,
         min_new_tokens=2,
