@@ -17,6 +17,7 @@ from its prompt; its tokens carry their index, so the gateway drops those it alr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -389,7 +390,8 @@ class SchedulerService:
             self._publish_events(events)
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
             new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
-            for idle in list(self.core.stats.idle_s)[len(self.core.stats.idle_s) - new_idle :]:
+            # only the new tail: copying the whole window (up to STATS_WINDOW floats) every poll costs
+            for idle in itertools.islice(reversed(self.core.stats.idle_s), new_idle):
                 self.metrics.worker_idle.observe(idle)
             n = self.core.num_completions
             if n:  # the process's CPU since the last worker-steps, spread over these
