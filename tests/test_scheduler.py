@@ -318,3 +318,19 @@ def test_overlap_drops_the_surplus_token_of_a_stop_learned_late():
             assert eng.sched.num_surplus_tokens == 0
         check_free(eng)
     assert outputs[True] == outputs[False]
+
+
+def test_two_results_applied_together_keep_their_own_token_index():
+    """With overlap a worker holds two plans; when both results are applied before the events are
+    published (one poll), each token event still carries its own output position. The gateway drops
+    an event whose index it has already seen, so a shared index would lose a token."""
+    eng = make_engine(budget=32, workers={"w0": 1000}, overlap=True)
+    eng.add(Sequence(0, [5, 6, 7], greedy(6)))
+    sched, fake = eng.sched, eng.fakes["w0"]
+    first = sched.schedule_worker("w0")  # the prompt, sampling token 0
+    second = sched.schedule_worker("w0")  # planned before token 0 is known: a decode entry
+    assert first is not None and second is not None
+    results = [fake.step(first), fake.step(second)]
+    events = [ev for r in results for ev in sched.postprocess("w0", r)]
+    assert [ev.index for ev in events] == [0, 1]
+    assert [ev.token.token_id for ev in events] == sched.seqs[0].output_token_ids

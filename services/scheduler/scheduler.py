@@ -50,6 +50,8 @@ class TokenEvent:
     hidden: the token ended the sequence as EOS / a stop token id and is not part of the text.
     error: why the sequence failed (with ``finish_reason`` ABORT), e.g. the worker rejected its step;
     error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
+    index: the token's position in the sequence's output (-1 without a token), fixed when the token is
+    applied: one poll may apply several results of a sequence, so it cannot be read off later.
     """
 
     seq_id: int
@@ -58,6 +60,7 @@ class TokenEvent:
     hidden: bool = False
     error: str | None = None
     error_status: int = 500
+    index: int = -1
 
 
 @dataclass
@@ -465,7 +468,7 @@ class Scheduler:
             seq.num_pending -= 1
             seq.output_token_ids.append(tok.token_id)
             reason, hidden = self._stop_reason(seq, tok.token_id)
-            events.append(TokenEvent(seq.seq_id, tok, reason, hidden))
+            events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=len(seq.output_token_ids) - 1))
             if reason is not None:
                 self._finish(seq, reason)
         return events

@@ -324,7 +324,7 @@ class SchedulerService:
             by_gateway[owner.gateway_id].append(
                 messages.TokenMessage(
                     seq_id=ev.seq_id,
-                    index=len(owner.seq.output_token_ids) - 1 if tok else -1,
+                    index=ev.index,
                     token_id=tok.token_id if tok else None,
                     logprob=tok.logprob if tok else None,
                     top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok else [],
