@@ -47,6 +47,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
     def response(self) -> Response:
         return Response(
@@ -57,6 +58,7 @@ class _Request:
             self.finish_reason or "abort",
             self.logprobs,
             self.top_logprobs,
+            self.cached_tokens,
         )
 
 
@@ -78,6 +80,7 @@ class Pipeline:
         cache_dir: str | None = None,
         progress: bool = True,
         overlap: bool = True,
+        prefix_caching: bool = True,
     ):
         self.config = EngineConfig(
             token_budget=token_budget,
@@ -89,6 +92,7 @@ class Pipeline:
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
+            enable_prefix_caching=prefix_caching,
         )
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
@@ -101,6 +105,7 @@ class Pipeline:
         self.token_budget = token_budget or choose_token_budget(self.runner, str(self.source.path), cache_dir)
         self.max_model_len = info.max_model_len
         self.core = EngineCore(self.config, self.eos_token_ids)
+        self.core.scheduler.model_id = self.source.name
         self.core.add_worker(
             "local", self.runner, info.num_blocks, info.block_size, info.max_model_len, self.token_budget
         )
@@ -265,6 +270,8 @@ class Pipeline:
             raise FuseServeError(f"generation failed: {ev.error}")
         delta = ""
         if ev.token is not None:
+            if ev.index == 0:
+                req.cached_tokens = ev.cached_tokens
             req.token_ids.append(ev.token.token_id)
             if ev.token.logprob is not None:
                 req.logprobs.append(ev.token.logprob)
@@ -375,7 +382,7 @@ def pipeline(
     on CPU, 85% of free GPU memory on CUDA). policy: "splitfuse", "prefill_first", "whole_prompt".
     Other keywords: block_size, device, dtype, attention_backend ("auto", "torch", "cpu", "triton",
     "flash-attn"), cache_dir, progress, overlap (build the next pass while the current one runs;
-    default True).
+    default True), prefix_caching (reuse the KV of prompt prefixes already computed; default True).
     Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
     """
     return Pipeline(

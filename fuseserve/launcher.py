@@ -184,6 +184,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         url = stack.redis.url
         common = ["--log-level", args.log_level]
         overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
+        if not getattr(args, "prefix_caching", True):
+            overlap.append("--no-prefix-caching")
         num_schedulers = getattr(args, "schedulers", 1)
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"

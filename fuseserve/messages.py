@@ -114,6 +114,7 @@ class TokenMessage:
     hidden: the token ended the sequence as EOS / stop token id; it is not part of the text.
     finish_reason: "stop" | "length" | "abort" on the sequence's last event, else None.
     error: ``{"message", "type", "status"}`` when the scheduler rejected the request.
+    cached_tokens: on the first token's event (index 0): prompt tokens found in the prefix cache.
     """
 
     seq_id: int
@@ -124,6 +125,7 @@ class TokenMessage:
     hidden: bool = False
     finish_reason: str | None = None
     error: dict | None = None
+    cached_tokens: int = 0
 
 
 def encode_events(events: list[TokenMessage]) -> dict[str, str]:

@@ -17,6 +17,7 @@ class Response:
     finish_reason: ``"stop"`` (EOS, stop token, stop string), ``"length"`` or ``"abort"``.
     logprobs: per generated token, its logprob (when requested), else empty.
     top_logprobs: per generated token, the top-N alternatives (when requested), else empty.
+    cached_tokens: prompt tokens whose KV came from the prefix cache (not computed again).
     """
 
     text: str
@@ -26,3 +27,4 @@ class Response:
     finish_reason: str
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    cached_tokens: int = 0

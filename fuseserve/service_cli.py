@@ -10,6 +10,15 @@ import argparse
 from fuseserve.worker.latency_model import PRESETS
 
 
+def _no_prefix_caching(p) -> None:
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt from its first token (default: reuse the KV of cached prefixes)",
+    )
+
+
 def _redis(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", required=True, help="redis://host:port of the stack's Redis")
 
@@ -91,6 +100,7 @@ def add_parsers(sub, engine_args) -> None:
         action="store_false",
         help="the scheduler sends a worker its next plan only after its current result (default: overlap)",
     )
+    _no_prefix_caching(s)
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -124,6 +134,7 @@ def add_parsers(sub, engine_args) -> None:
         action="store_false",
         help="send a worker its next plan only after its current result (default: overlap)",
     )
+    _no_prefix_caching(c)
     c.set_defaults(func=_scheduler)
 
     w = sub.add_parser("worker", help="a model worker (gRPC), registers itself in Redis")

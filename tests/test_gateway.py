@@ -53,6 +53,7 @@ def test_completion_echo_usage_and_finish(http, tok, fake):
         "prompt_tokens": len(ids),
         "completion_tokens": len(ids) + 1,
         "total_tokens": 2 * len(ids) + 1,
+        "prompt_tokens_details": {"cached_tokens": 0},  # the fake scheduler caches nothing
     }
     # max_tokens defaults to what fits the context
     assert fake.requests[-1].params["max_new_tokens"] == 8192 - len(ids)

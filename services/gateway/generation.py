@@ -52,6 +52,7 @@ class SequenceState:
     token_ids: every generated id (hidden ones included). visible: logprobs of the visible tokens.
     raw_logprobs / raw_top: per generated token (hidden included), when logprobs were asked for.
     next_index: index of the next expected token event (lower ones are duplicates).
+    cached_tokens: prompt tokens the engine found in its prefix cache (from the first token's event).
     """
 
     choice: int
@@ -68,6 +69,7 @@ class SequenceState:
     finish_reason: str | None = None
     error: dict | None = None
     last_token_at: float | None = None
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -84,6 +86,8 @@ class SequenceState:
             if ev.index >= 0:
                 self.next_index = ev.index + 1
             new_token = True
+            if ev.index == 0:
+                self.cached_tokens = ev.cached_tokens
             self.token_ids.append(ev.token_id)
             if ev.logprob is not None:
                 self.raw_logprobs.append(ev.logprob)

@@ -53,6 +53,8 @@ class TokenEvent:
     error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
     index: the token's position in the sequence's output (-1 without a token), fixed when the token is
     applied: one poll may apply several results of a sequence, so it cannot be read off later.
+    cached_tokens: on the first token's event (index 0), the prompt tokens found in the prefix cache
+        (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); 0 on every other event.
     """
 
     seq_id: int
@@ -62,6 +64,7 @@ class TokenEvent:
     error: str | None = None
     error_status: int = 500
     index: int = -1
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -519,7 +522,9 @@ class Scheduler:
             seq.num_pending -= 1
             seq.output_token_ids.append(tok.token_id)
             reason, hidden = self._stop_reason(seq, tok.token_id)
-            events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=len(seq.output_token_ids) - 1))
+            index = len(seq.output_token_ids) - 1
+            cached = (seq.num_cached_tokens or 0) if index == 0 else 0
+            events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
             if reason is not None:
                 self._finish(seq, reason)
         return events

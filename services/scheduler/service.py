@@ -83,6 +83,16 @@ class SchedulerMetrics:
         self.preemptions = Counter(
             "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
         )
+        self.prefix_cache_queries = Counter(  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+            "fuseserve_prefix_cache_queries_total",
+            "prompt tokens looked up in the prefix cache at admission",
+            registry=self.registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "fuseserve_prefix_cache_hits_total",
+            "prompt tokens found in the prefix cache at admission (not computed again)",
+            registry=self.registry,
+        )
         self.cpu_per_step = Histogram(
             "fuseserve_scheduler_cpu_seconds_per_worker_step",
             "scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
@@ -330,6 +340,7 @@ class SchedulerService:
                     top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok else [],
                     hidden=ev.hidden,
                     finish_reason=ev.finish_reason.value if ev.finish_reason else None,
+                    cached_tokens=ev.cached_tokens,
                     error=None
                     if ev.error is None
                     else {
@@ -385,10 +396,13 @@ class SchedulerService:
         self._read_inputs(None if busy else IDLE_BLOCK_MS)
         if self.core.has_work and self.scheduler.slots:
             preempted = self.scheduler.num_preemptions
+            queries, hits = self.scheduler.num_prefix_queries, self.scheduler.num_prefix_hits
             idle_seen = self.core.stats.num_idle
             events = self.core.poll(timeout=BUSY_POLL_S, record_cpu=False)
             self._publish_events(events)
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+            self.metrics.prefix_cache_queries.inc(self.scheduler.num_prefix_queries - queries)
+            self.metrics.prefix_cache_hits.inc(self.scheduler.num_prefix_hits - hits)
             new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
             # only the new tail: copying the whole window (up to STATS_WINDOW floats) every poll costs
             for idle in itertools.islice(reversed(self.core.stats.idle_s), new_idle):
@@ -520,6 +534,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         policy=args.policy,
         block_size=args.block_size,
         overlap=getattr(args, "overlap", True),
+        enable_prefix_caching=getattr(args, "prefix_caching", True),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()
