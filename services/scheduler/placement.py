@@ -76,8 +76,8 @@ def seconds_per_share(
 #: prefix-aware placement considers the workers whose load is within this factor of the least
 #: loaded worker's, plus ``BALANCE_SLACK_SEQS`` sequences (SGLang's cache-aware router uses the same
 #: guard: follow the prefix while the load is balanced, else the least loaded)
-BALANCE_FACTOR = 1.25
-BALANCE_SLACK_SEQS = 1.0
+BALANCE_FACTOR = 1.5
+BALANCE_SLACK_SEQS = 2.0
 
 
 def near_least_loaded(shares: list[float], num_seqs: list[int]) -> list[bool]:
