@@ -86,7 +86,8 @@ def scheduler_stats_key(consumer: str) -> str:
 
 @dataclass
 class RequestMessage:
-    """A sequence to generate. ``params`` is ``SamplingParams.to_dict()``; ``arrival`` is epoch seconds."""
+    """A sequence to generate. ``params`` is ``SamplingParams.to_dict()``; ``arrival`` is epoch seconds;
+    ``cache_salt``: only sequences with the same salt share cached prefix blocks (None: no salt)."""
 
     seq_id: int
     request_id: str
@@ -94,6 +95,7 @@ class RequestMessage:
     prompt_token_ids: list[int]
     params: dict
     arrival: float = 0.0
+    cache_salt: str | None = None
 
     def encode(self) -> dict[str, str]:
         return {"data": json.dumps(asdict(self))}

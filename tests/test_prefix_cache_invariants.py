@@ -73,3 +73,39 @@ def test_random_shared_prefix_workloads_keep_the_invariants(seed, overlap):
     check_free(eng)
     for slot in eng.sched.slots.values():
         slot.account.check()
+
+
+def test_cached_tokens_count_as_computed_and_salts_isolate():
+    eng = make_engine(budget=64, block_size=4)
+    prompt = list(range(1, 31))  # 7 full blocks + 2 tokens
+    eng.add(Sequence(0, prompt, greedy(3)))
+    eng.run()
+    for sid, salt in ((1, None), (2, "tenant-b"), (3, "tenant-b")):
+        eng.add(Sequence(sid, list(prompt), greedy(3), cache_salt=salt))
+        eng.run()
+    got = {sid: s.num_cached_tokens for sid, s in eng.seqs.items()}
+    assert got == {0: 0, 1: 28, 2: 0, 3: 28}  # at most 7 blocks: the last token must run
+    first_chunks = [c for p in eng.fakes["w0"].plans for c in p.chunks if c.params is not None]
+    assert [c.start_pos for c in first_chunks] == [0, 28, 0, 28]
+    assert all(eng.outputs[i] == eng.outputs[0] for i in range(4))
+    check_free(eng)
+
+
+def test_placement_follows_the_prefix_until_the_load_is_unbalanced():
+    eng = make_engine(budget=64, block_size=4, workers={"w0": 1000, "w1": 1000})
+    shared = list(range(1, 41))
+    eng.add(Sequence(0, [7] * 5, greedy(200)))  # w0 gets a long unrelated sequence
+    eng.step()
+    eng.add(Sequence(1, shared + [50], greedy(200)))
+    eng.step()
+    assert eng.sched.seqs[0].worker == "w0" and eng.sched.seqs[1].worker == "w1"
+    for _ in range(3):
+        eng.step()  # the prefix is computed and cached on w1
+    for sid in range(2, 12):  # sharers follow the prefix to w1 while its load stays near w0's
+        eng.add(Sequence(sid, shared + [50 + sid], greedy(200)))
+        eng.step()
+    on = {sid: eng.sched.seqs[sid].worker for sid in range(2, 12)}
+    assert on[2] == "w1" and eng.sched.seqs[2].num_cached_tokens == 40
+    assert "w0" in on.values(), "one hot prefix must not pile every sequence onto one worker"
+    n1 = sum(1 for s in eng.sched.seqs.values() if s.worker == "w1")
+    assert n1 <= 1.5 * (len(eng.sched.seqs) - n1 + 1) + 2

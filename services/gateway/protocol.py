@@ -50,6 +50,7 @@ class _SamplingFields(_Strict):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's extension: only requests with the same salt share cached prefixes
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # fuseserve extension: token ids per choice
