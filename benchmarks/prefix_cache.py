@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--token-budget", type=int, default=256)
     ap.add_argument("--clients", type=int, default=4, help="pipeline clients (default: 4)")
-    ap.add_argument("--requests", type=int, default=12, help="pipeline requests per workload (default: 12)")
+    ap.add_argument("--requests", type=int, default=8, help="pipeline requests per workload (default: 8)")
     ap.add_argument("--sim-clients", type=int, default=16, help="placement clients (default: 16)")
     ap.add_argument("--sim-requests", type=int, default=256, help="placement requests (default: 256)")
     ap.add_argument("--out", default=str(RESULTS / "prefix_cache.jsonl"))

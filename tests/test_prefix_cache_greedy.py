@@ -82,10 +82,13 @@ def run(runner, prompts: list[list[int]], caching: bool, max_new: int = 4, **kw)
 
 def test_sixteen_requests_sharing_a_700_token_prefix(runner, tok):
     shared = prefix(tok, 700)
-    prompts = [shared + ids(tok, f" Question {i}: what did person {i} see?") for i in range(16)]
-    off, _ = run(runner, prompts, caching=False)
+    questions = [ids(tok, f" Question {i}: what did person {i} see?") for i in range(4)]
+    prompts = [shared + questions[i % 4] for i in range(16)]  # 4 distinct prompts, each sent 4 times
+    # the reference runs each distinct prompt once with caching off (greedy fp32 output does not
+    # depend on the batch: test_pipeline.py), which keeps this test to ~3k computed tokens
+    off, _ = run(runner, prompts[:4], caching=False)
     on, eng = run(runner, prompts, caching=True)
-    assert on == off
+    assert on == {i: off[i % 4] for i in range(16)}
     # the first request computes the prefix; later ones admitted after its blocks were written share them
     assert eng.sched.num_prefix_hits >= 8 * (700 // BLOCK) * BLOCK
     assert sum(1 for s in eng.seqs.values() if s.num_cached_tokens == (700 // BLOCK) * BLOCK) >= 8

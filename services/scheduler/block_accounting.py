@@ -44,6 +44,7 @@ class BlockAccount:
         self.block_hash: dict[int, int] = {}  # block id -> its hash
         self.tables: dict[int, list[int]] = {}  # seq id -> block ids
         self._num_sent: dict[int, int] = {}  # seq id -> table entries already sent to the worker
+        self._num_committed: dict[int, int] = {}  # seq id -> leading table entries committed or shared
         self.num_evictions = 0
 
     # ----- counts -----
@@ -89,6 +90,12 @@ class BlockAccount:
             hit.append(b)
         return hit
 
+    def needs_commit(self, seq_id: int, num_computed: int) -> bool:
+        """Whether ``num_computed`` computed tokens fill a block of ``seq_id`` not committed yet."""
+        return self.prefix_caching and seq_id in self.tables and (
+            num_computed // self.block_size > self._num_committed[seq_id]
+        )
+
     def commit(self, seq_id: int, block_hashes: list[int], num_computed: int) -> None:
         """The worker has computed ``num_computed`` tokens of ``seq_id``: its full blocks get their hash.
 
@@ -98,11 +105,13 @@ class BlockAccount:
         table = self.tables.get(seq_id)
         if not self.prefix_caching or table is None:
             return
-        for i in range(min(num_computed // self.block_size, len(block_hashes), len(table))):
+        end = min(num_computed // self.block_size, len(block_hashes), len(table))
+        for i in range(self._num_committed[seq_id], end):
             b, h = table[i], block_hashes[i]
             if b not in self.block_hash and h not in self.cached:
                 self.block_hash[b] = h
                 self.cached[h] = b
+        self._num_committed[seq_id] = max(end, self._num_committed[seq_id])
 
     # ----- allocation -----
     def reserve(self, seq_id: int, num_tokens: int, shared: list[int] = ()) -> None:
@@ -115,6 +124,7 @@ class BlockAccount:
         if table is None:
             table = self.tables[seq_id] = []
             self._num_sent[seq_id] = 0
+            self._num_committed[seq_id] = len(shared)
             for b in shared:
                 self._take(b)
                 table.append(b)
@@ -135,6 +145,7 @@ class BlockAccount:
         line for eviction so that a shared prefix outlives its suffixes."""
         table = self.tables.pop(seq_id, None)
         self._num_sent.pop(seq_id, None)
+        self._num_committed.pop(seq_id, None)
         for b in reversed(table or ()):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:

@@ -507,11 +507,10 @@ class Scheduler:
         events = []
         for (seq, _, admitted_at), chunk in zip(record.entries, record.plan.chunks, strict=True):
             live = self._live(seq, worker, admitted_at)
-            if live and slot.account.prefix_caching:  # the pass wrote these blocks: now they may be shared
-                hashes = seq.full_block_hashes(
-                    slot.account.block_size, root_hash(self.model_id, seq.cache_salt)
-                )
-                slot.account.commit(seq.seq_id, hashes, chunk.start_pos + chunk.num_tokens)
+            end = chunk.start_pos + chunk.num_tokens
+            if live and slot.account.needs_commit(seq.seq_id, end):  # the pass filled blocks: share them
+                root = root_hash(self.model_id, seq.cache_salt)
+                slot.account.commit(seq.seq_id, seq.full_block_hashes(slot.account.block_size, root), end)
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue

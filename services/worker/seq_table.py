@@ -12,6 +12,7 @@ the simulated runner (``sim_runner.py``) both use it, so they reject plans ident
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,16 +57,22 @@ class SeqTable:
         self.block_size = block_size
         self.seqs: dict[int, WorkerSeq] = {}
         self._new_sampling = new_sampling
+        self._holders: collections.Counter[int] = collections.Counter()  # block id -> tables holding it
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no sequence's table holds (cached blocks the scheduler may reuse count as free)."""
-        return self.num_blocks - len({b for s in self.seqs.values() for b in s.block_table})
+        return self.num_blocks - len(self._holders)
 
     def free(self, seq_ids: list[int]) -> None:
         """Drop sequences and their tables (unknown ids are ignored)."""
         for sid in seq_ids:
-            self.seqs.pop(sid, None)
+            seq = self.seqs.pop(sid, None)
+            if seq is not None:
+                self._holders.subtract(seq.block_table)
+                for b in seq.block_table:
+                    if self._holders[b] <= 0:
+                        self._holders.pop(b, None)
 
     def admit(self, c: SeqChunk) -> tuple[WorkerSeq, list[int], list[int]]:
         """Check one chunk against the sequence's state and allocate the blocks it needs.
@@ -88,6 +95,7 @@ class SeqTable:
                 f"seq {c.seq_id}: blocks for {have} tokens, chunk ends at {c.start_pos + c.num_tokens}"
             )
         seq.block_table.extend(c.block_ids)
+        self._holders.update(c.block_ids)
         return seq, tokens, seq.block_table
 
     def computed(self, chunks: list[SeqChunk]) -> None:
