@@ -92,8 +92,10 @@ class BlockAccount:
 
     def needs_commit(self, seq_id: int, num_computed: int) -> bool:
         """Whether ``num_computed`` computed tokens fill a block of ``seq_id`` not committed yet."""
-        return self.prefix_caching and seq_id in self.tables and (
-            num_computed // self.block_size > self._num_committed[seq_id]
+        return (
+            self.prefix_caching
+            and seq_id in self.tables
+            and (num_computed // self.block_size > self._num_committed[seq_id])
         )
 
     def commit(self, seq_id: int, block_hashes: list[int], num_computed: int) -> None:
