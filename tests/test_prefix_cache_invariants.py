@@ -109,3 +109,21 @@ def test_placement_follows_the_prefix_until_the_load_is_unbalanced():
     assert "w0" in on.values(), "one hot prefix must not pile every sequence onto one worker"
     n1 = sum(1 for s in eng.sched.seqs.values() if s.worker == "w1")
     assert n1 <= 1.5 * (len(eng.sched.seqs) - n1 + 1) + 2
+
+
+def test_a_failed_plan_takes_its_cached_blocks_back():
+    """Blocks are cached when the plan that fills them is built; when that plan fails, a later
+    request with the same prompt must not share them (the fake worker checks their contents)."""
+    prompt = list(range(1, 41))
+    eng = make_engine(budget=16, block_size=4, fail_at={"w0": 1})
+    eng.fakes["w0"].fail_with = ValueError
+    eng.add(Sequence(0, prompt, greedy(3)))
+    eng.step()  # plan 0: tokens 0..16, cached at once
+    assert eng.sched.slots["w0"].account.cached
+    eng.step()  # plan 1 (tokens 16..32) fails: sequence 0 ends with an error
+    assert 0 in eng.errors
+    eng.add(Sequence(1, prompt, greedy(3)))
+    eng.run()
+    assert eng.seqs[1].num_cached_tokens == 16  # plan 0 ran: its blocks stay shared, plan 1's do not
+    assert eng.outputs[1] == solo_output(prompt, greedy(3), eos_every=0)
+    check_free(eng)

@@ -12,8 +12,11 @@ Prefix caching (``fuseserve/block_hash.py``):
 - a block whose last reference goes keeps its hash and stays cached; cached blocks are evicted
   least-recently-used only when a block is needed and no empty block is left;
 - a partly filled block never has a hash, so it is never shared;
-- a block's hash is registered only once the step result of the pass that wrote it has arrived
-  (``commit``), so a failed pass never leaves a hash on garbage;
+- the prefix index of a worker (``cached``: hash -> block) holds at most one entry per block, so
+  its memory is bounded by the worker's pool;
+- a block's hash is registered when the plan that fills it is built (``commit``; vLLM v1 caches
+  blocks at scheduling time too): a worker runs its plans in order, so any later plan that shares
+  the block reads it after it was written; a plan that fails takes its hashes back (``uncommit``);
 - every method validates before it mutates; ``num_free`` (empty + cached-unreferenced blocks) is
   exact at every point: ``num_free + blocks referenced == num_blocks``.
 """
@@ -98,22 +101,38 @@ class BlockAccount:
             and (num_computed // self.block_size > self._num_committed[seq_id])
         )
 
-    def commit(self, seq_id: int, block_hashes: list[int], num_computed: int) -> None:
-        """The worker has computed ``num_computed`` tokens of ``seq_id``: its full blocks get their hash.
+    def commit(self, seq_id: int, block_hashes: list[int], num_computed: int) -> list[int]:
+        """``seq_id``'s first ``num_computed`` tokens are computed by the plans sent so far: its full
+        blocks get their hash. Returns the ids of the blocks hashed now.
 
         A hash already cached under another block (two sequences computed the same prefix at once)
         leaves this block private. Unknown sequences are ignored.
         """
         table = self.tables.get(seq_id)
         if not self.prefix_caching or table is None:
-            return
+            return []
         end = min(num_computed // self.block_size, len(block_hashes), len(table))
+        hashed = []
         for i in range(self._num_committed[seq_id], end):
             b, h = table[i], block_hashes[i]
             if b not in self.block_hash and h not in self.cached:
                 self.block_hash[b] = h
                 self.cached[h] = b
+                hashed.append(b)
         self._num_committed[seq_id] = max(end, self._num_committed[seq_id])
+        return hashed
+
+    def uncommit(self, block_ids: list[int]) -> None:
+        """Take the hashes of ``block_ids`` back (the plan that was to fill them failed); a block
+        nobody references goes back empty."""
+        for b in block_ids:
+            h = self.block_hash.pop(b, None)
+            if h is None:
+                continue
+            del self.cached[h]
+            if self.ref_counts[b] == 0:
+                del self._evictable[b]
+                self._empty.append(b)
 
     # ----- allocation -----
     def reserve(self, seq_id: int, num_tokens: int, shared: list[int] = ()) -> None:

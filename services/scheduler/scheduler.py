@@ -73,10 +73,12 @@ class InFlight:
 
     entries: ``(sequence, num_tokens, admitted_at)``; a result applies to a sequence only while it is
     still running on that worker under the same admission (not preempted, moved or finished since).
+    hashed: blocks this plan fills that were added to the prefix cache when it was built.
     """
 
     plan: StepPlan
     entries: list[tuple[Sequence, int, int]]
+    hashed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -254,7 +256,10 @@ class Scheduler:
             plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
             slot.num_steps += 1
             slot.pending_free = []
-            slot.inflight.append(InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries]))
+            hashed = [b for seq, _ in draft.entries for b in self._commit_planned(slot, seq)]
+            slot.inflight.append(
+                InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed)
+            )
             plans[slot.name] = plan
         return plans
 
@@ -286,6 +291,14 @@ class Scheduler:
         if sample:
             seq.num_pending += 1
         return chunk
+
+    def _commit_planned(self, slot: WorkerSlot, seq: Sequence) -> list[int]:
+        """Hash the blocks of ``seq`` that its plans sent so far fill (tokens known); returns their ids."""
+        end = min(seq.num_computed_tokens, seq.num_tokens)  # a decode input sampled in flight is unknown
+        if not slot.account.needs_commit(seq.seq_id, end):
+            return []
+        root = root_hash(self.model_id, seq.cache_salt)
+        return slot.account.commit(seq.seq_id, seq.full_block_hashes(slot.account.block_size, root), end)
 
     def ends_in_flight(self, seq: Sequence) -> bool:
         """The plan in flight samples ``seq``'s last token by length: planning it again is surplus."""
@@ -470,6 +483,12 @@ class Scheduler:
             else:
                 self._finish(seq, FinishReason.ABORT)
                 events.append(TokenEvent(seq.seq_id, None, FinishReason.ABORT, error=message))
+        # the blocks this plan and the later ones were to fill may hold garbage: no longer cached, and
+        # a sequence that shares one recomputes
+        bad = set(record.hashed).union(*(r.hashed for r in slot.inflight))
+        slot.account.uncommit(sorted(bad))
+        for seq in [s for s in slot.running if bad.intersection(slot.account.tables.get(s.seq_id, ()))]:
+            self._to_waiting(seq)
         return events
 
     def fail_waiting(self, message: str, status: int) -> list[TokenEvent]:
@@ -505,16 +524,11 @@ class Scheduler:
         slot.step_time.observe(record.plan.num_tokens, result.forward_seconds)
         sampled = {t.seq_id: t for t in result.tokens}
         events = []
-        for (seq, _, admitted_at), chunk in zip(record.entries, record.plan.chunks, strict=True):
-            live = self._live(seq, worker, admitted_at)
-            end = chunk.start_pos + chunk.num_tokens
-            if live and slot.account.needs_commit(seq.seq_id, end):  # the pass filled blocks: share them
-                root = root_hash(self.model_id, seq.cache_salt)
-                slot.account.commit(seq.seq_id, seq.full_block_hashes(slot.account.block_size, root), end)
+        for seq, _, admitted_at in record.entries:
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue
-            if not live:
+            if not self._live(seq, worker, admitted_at):
                 if seq.status is SeqStatus.FINISHED:
                     self.num_surplus_tokens += 1
                 continue
