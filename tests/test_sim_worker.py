@@ -146,6 +146,9 @@ def test_sleeps_the_modelled_time_and_tokens_ignore_batching():
     key = prompt_key(list(range(30)))
     assert res.tokens[0].token_id == res2.tokens[0].token_id == sim_token(key, 30)
     assert sim.step(with_blocks(sim, StepPlan(2, [decode(7, 30)]))).tokens[0].token_id == sim_token(key, 31)
+    # a prefix-cache hit: the first chunk starts at 16 and carries the cached tokens' ids: same token
+    hit = SeqChunk(9, 16, 14, list(range(16, 30)), True, GREEDY, 30, prefix_token_ids=list(range(16)))
+    assert other.step(with_blocks(other, StepPlan(2, [hit]))).tokens[0].token_id == sim_token(key, 30)
     # a recompute resends prompt + generated tokens: the prompt key and the next token are unchanged
     redo = StepPlan(3, [first(7, [*range(30), sim_token(key, 30), sim_token(key, 31)], True, prompt_len=30)])
     assert sim.step(with_blocks(sim, redo)).tokens[0].token_id == sim_token(key, 32)
