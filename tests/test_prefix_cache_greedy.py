@@ -91,7 +91,7 @@ def test_sixteen_requests_sharing_a_700_token_prefix(runner, tok):
     assert on == {i: off[i % 4] for i in range(16)}
     # the first request computes the prefix; later ones admitted after its blocks were written share them
     assert eng.sched.num_prefix_hits >= 8 * (700 // BLOCK) * BLOCK
-    assert sum(1 for s in eng.seqs.values() if s.num_cached_tokens == (700 // BLOCK) * BLOCK) >= 8
+    assert sum(1 for s in eng.seqs.values() if s.num_cached_tokens >= (700 // BLOCK) * BLOCK) >= 8
 
 
 def test_prefixes_sharing_part_of_a_block_and_the_same_prompt_twice_at_once(runner, tok):
