@@ -117,8 +117,8 @@ def test_preempted_while_sharing_and_eviction_under_kv_pressure(runner, tok):
     shared = prefix(tok, 6 * BLOCK)
     prompts = [shared + ids(tok, f" Story {i} begins with a") for i in range(6)]
     prompts += [prefix(tok, 40 + 7 * i)[::-1] for i in range(3)]  # unrelated prompts compete for blocks
-    off, _ = run(runner, prompts, caching=False, max_new=24)
-    on, eng = run(runner, prompts, caching=True, max_new=24, num_blocks=20, budget=64)
+    off, _ = run(runner, prompts, caching=False, max_new=12)
+    on, eng = run(runner, prompts, caching=True, max_new=12, num_blocks=16, budget=64)
     assert on == off
     assert eng.sched.num_preemptions > 0  # recomputed while sharing the prefix's blocks
     assert eng.sched.slots["w"].account.num_evictions > 0  # cached blocks were evicted to make room
