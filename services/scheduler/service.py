@@ -277,7 +277,8 @@ class SchedulerService:
                 self.inbox.wait(min(timeout, 0.05))  # work that no worker can take yet: do not spin
             return
         self._publish_events(events)
-        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        if self.scheduler.num_preemptions != preempted:
+            self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
         new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
         # only the new tail: copying the whole window (up to STATS_WINDOW floats) every poll costs
         for idle in itertools.islice(reversed(self.core.stats.idle_s), new_idle):
