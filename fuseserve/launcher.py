@@ -187,7 +187,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         num_schedulers = getattr(args, "schedulers", 1)
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
-            stack.spawn(name, [*common, "scheduler", "--redis-url", url, *_engine_argv(args), *overlap])
+            argv = ["scheduler", "--redis-url", url, "--metrics-port", "0", *_engine_argv(args), *overlap]
+            stack.spawn(name, [*common, *argv])
         for i in range(args.workers):
             stack.spawn(f"worker-{i}", worker_argv(args, url, i))
         stack.spawn(

@@ -46,7 +46,8 @@ class _Budgets:
 
 
 class SchedulerMetrics:
-    """The scheduler's metrics; ``port`` (None: not served) starts prometheus-client's HTTP server.
+    """The scheduler's metrics; ``port`` (None: not served; 0: a free one, then ``self.port``) starts
+    prometheus-client's HTTP server.
 
     ``queue_depth``, ``running``, ``workers`` (gauges), ``preemptions`` (counter), ``cpu_per_step``,
     ``worker_idle`` (histograms, seconds) are children bound to the current ``model_name``.
@@ -116,8 +117,8 @@ class SchedulerMetrics:
             self._cpu,
             self._idle,
         )
-        self.port = None
-        if port:
+        self.port: int | None = None
+        if port is not None:
             server, _ = start_http_server(port, registry=r)
             self.port = server.server_port
 

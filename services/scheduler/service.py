@@ -420,6 +420,8 @@ class SchedulerService:
             "scheduler": self.consumer,
             "pid": os.getpid(),
             "taken_over": self.num_taken_over,
+            "metrics_port": self.metrics.port,
+            "metrics_host": socket.gethostname(),
         }
         pipe = self.r.pipeline(transaction=False)
         pipe.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
