@@ -284,6 +284,7 @@ def run_serve(args: argparse.Namespace) -> int:
         f"(OpenAI-compatible; Ctrl-C stops)",
         flush=True,
     )
+    print(f"live view: fuseserve top --url {base} --redis-url {stack.redis.url}", flush=True)
     try:
         while not stop["now"]:
             stack.supervise()

@@ -126,3 +126,31 @@ def test_promtool_accepts_config_and_rules(tmp_path):
     for args in (["check", "config", "prometheus.yml"], ["check", "rules", "alerts.yml"]):
         result = subprocess.run(["promtool", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_scheduler_passes_budget_and_queue_time_counted_once():
+    from fuseserve.types import SeqChunk, StepPlan
+
+    slots = {"w0": SimpleNamespace(token_budget=256)}
+    core = SimpleNamespace(scheduler=SimpleNamespace(slots=slots), on_plans=None)
+    m = SchedulerMetrics(None)
+    m.queue_depth.set(3)  # before the first worker: labelled "unknown", dropped by set_model
+    m.set_model("m")
+    m.watch(core)
+    m.note_arrival(1)
+    m.note_arrival(2)
+    m.forget(2)  # aborted while waiting: never observed
+    chunk = lambda sid, n: SeqChunk(sid, 0, n, list(range(n)), True)  # noqa: E731
+    core.on_plans({"w0": StepPlan(0, [chunk(1, 100)])}, 0.001)
+    core.on_plans({"w0": StepPlan(1, [chunk(1, 1)]), "w1": StepPlan(0, [], [5])}, 0.002)  # w1: a free only
+    value = m.registry.get_sample_value
+    assert value("fuseserve_num_requests_waiting", {"model_name": "unknown"}) is None
+    assert value("fuseserve_iteration_tokens_total_count", {"model_name": "m", "worker": "w0"}) == 2
+    assert value("fuseserve_iteration_tokens_total_sum", {"model_name": "m", "worker": "w0"}) == 101
+    assert value("fuseserve_iteration_tokens_total_count", {"model_name": "m", "worker": "w1"}) is None
+    assert value("fuseserve_request_queue_time_seconds_count", {"model_name": "m"}) == 1
+    assert value("fuseserve_plan_build_seconds_count", {"model_name": "m"}) == 2
+    assert value("fuseserve_token_budget", {"model_name": "m", "worker": "w0"}) == 256
+    m.drop_worker("w0")
+    slots.clear()
+    assert value("fuseserve_token_budget", {"model_name": "m", "worker": "w0"}) is None
