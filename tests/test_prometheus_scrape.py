@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -187,6 +188,15 @@ def test_prometheus_reads_back_what_clients_saw(stack, tmp_path):
         assert prom.value("max(fuseserve_token_budget)") > 0
         rules = prom.http.get("/api/v1/rules").json()["data"]["groups"][0]["rules"]
         assert all(rule["health"] == "ok" for rule in rules), rules
+        # every dashboard query runs, and every metric it names has series from this stack
+        dashboard = json.loads((MONITORING / "grafana/dashboards/fuseserve.json").read_text())
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$__rate_interval", "1m")
+                data = prom.http.get("/api/v1/query", params={"query": expr}).json()
+                assert data["status"] == "success", (panel["title"], expr, data)
+                for name in set(re.findall(r"\bfuseserve_[a-z0-9_]+", expr)):
+                    assert prom.value(f'count({{__name__="{name}"}})'), f"{panel['title']}: no {name} series"
     finally:
         proc.terminate()
         proc.wait(10)
