@@ -113,10 +113,28 @@ def test_stop_string_cuts_text_and_aborts(http, fake):
     assert body["choices"][0]["text"] == "one two three four"
 
 
+def metric_values(http) -> dict[str, float]:
+    """Every series of the gateway's /metrics: ``'name{labels}'`` → value."""
+    text = http.get("/metrics").text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and line[0] != "#"
+    }
+
+
 def test_duplicate_events_are_dropped(http, fake):
-    fake.duplicate = True
+    fake.duplicate = True  # as a scheduler resends after a failover
+    tokens, stops = (
+        f'fuseserve_generation_tokens_total{{model_name="{MODEL}"}}',
+        f'fuseserve_request_success_total{{finished_reason="stop",model_name="{MODEL}"}}',
+    )
+    before = metric_values(http)
     body = post(http, "/v1/completions", prompt="no doubled words").json()
     assert body["choices"][0]["text"] == "no doubled words"
+    after = metric_values(http)
+    assert after[tokens] - before[tokens] == body["usage"]["completion_tokens"]  # counted once
+    assert after[stops] - before[stops] == 1
 
 
 def test_completion_logprobs_and_token_ids(http, tok):
@@ -275,7 +293,10 @@ def test_scheduler_error_event(http, fake):
     }
     assert_error(post(http, "/v1/completions", prompt="x"), 400, contains="too long")
     fake.error_next = {"message": "worker lost", "type": "server_error", "status": 503}
+    failed = f'fuseserve_request_success_total{{finished_reason="error",model_name="{MODEL}"}}'
+    before = metric_values(http)[failed]
     events = sse_events(http, "/v1/completions", prompt="x")
+    assert metric_values(http)[failed] == before + 1  # the HTTP status was 200: counted as an error here
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["message"] == "worker lost" and events[-2]["error"]["status"] == 503
     assert_works(http)
