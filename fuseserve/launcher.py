@@ -187,7 +187,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         num_schedulers = getattr(args, "schedulers", 1)
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
-            stack.spawn(name, [*common, "scheduler", "--redis-url", url, *_engine_argv(args), *overlap])
+            argv = ["scheduler", "--redis-url", url, "--metrics-port", "0", *_engine_argv(args), *overlap]
+            stack.spawn(name, [*common, *argv])
         for i in range(args.workers):
             stack.spawn(f"worker-{i}", worker_argv(args, url, i))
         stack.spawn(
@@ -283,6 +284,7 @@ def run_serve(args: argparse.Namespace) -> int:
         f"(OpenAI-compatible; Ctrl-C stops)",
         flush=True,
     )
+    print(f"live view: fuseserve top --url {base} --redis-url {stack.redis.url}", flush=True)
     try:
         while not stop["now"]:
             stack.supervise()

@@ -117,7 +117,9 @@ def add_parsers(sub, engine_args) -> None:
     c.add_argument("--max-num-seqs", type=int, default=256, help="sequences per pass (default: 256)")
     c.add_argument("--policy", default="splitfuse", choices=["splitfuse", "prefill_first", "whole_prompt"])
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must match the workers)")
-    c.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    c.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: a free one)"
+    )
     c.add_argument(
         "--no-overlap",
         dest="overlap",

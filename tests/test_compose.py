@@ -8,7 +8,6 @@ Static checks only (no Docker engine needed). ``docker-compose config`` (Debian 
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import shutil
 import subprocess
@@ -26,27 +25,6 @@ SUBCOMMANDS = {"gateway", "scheduler", "worker"}
 FLAGS = {"--redis-url", "--model", "--host", "--port", "--metrics-port", "--advertise-host"}
 """Flags of those subcommands that compose may pass."""
 REDIS_URL = "redis://redis:6379"
-
-COUNTERS = {
-    "fuseserve_requests_total",
-    "fuseserve_generated_tokens_total",
-    "fuseserve_prompt_tokens_total",
-    "fuseserve_preemptions_total",
-}
-GAUGES = {
-    "fuseserve_queue_depth",
-    "fuseserve_running_seqs",
-    "fuseserve_kv_free_blocks",
-    "fuseserve_workers_alive",
-}
-HISTOGRAMS = {
-    "fuseserve_request_latency_seconds",
-    "fuseserve_ttft_seconds",
-    "fuseserve_inter_token_latency_seconds",
-    "fuseserve_step_tokens",
-    "fuseserve_step_seconds",
-}
-_METRIC_RE = re.compile(r"\bfuseserve_[a-z0-9_]+")
 
 
 def _load_yaml(path: Path):
@@ -67,30 +45,6 @@ def _argv(service: dict) -> list[str]:
         if argv[0] == "exec":
             argv = argv[1:]
     return argv
-
-
-def _metric_names(expr: str) -> set[str]:
-    """Metric names in a PromQL expression, histogram series suffixes checked and removed."""
-    names = set()
-    for name in _METRIC_RE.findall(expr):
-        for suffix in ("_bucket", "_sum", "_count"):
-            if name.endswith(suffix) and name[: -len(suffix)] in HISTOGRAMS:
-                name = name[: -len(suffix)]
-        names.add(name)
-    return names
-
-
-def _check_exprs(exprs: list[str]) -> set[str]:
-    known = COUNTERS | GAUGES | HISTOGRAMS
-    used: set[str] = set()
-    for expr in exprs:
-        names = _metric_names(expr)
-        assert names, f"query uses no fuseserve metric: {expr}"
-        assert names <= known, f"unknown metric(s) {sorted(names - known)} in: {expr}"
-        for name in names & HISTOGRAMS:
-            assert re.search(rf"{name}_(bucket|sum|count)\b", expr), f"bare histogram name in: {expr}"
-        used |= names
-    return used
 
 
 # ------------------------------------------------------------------------------------ compose file
@@ -197,36 +151,14 @@ def test_prometheus_config(compose):
         assert rule_file in mounts and mounts[rule_file].is_file(), f"rule file {rule_file} not mounted"
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == {"gateway", "scheduler", "worker"}
-    assert jobs["gateway"]["static_configs"][0]["targets"] == ["gateway:8000"]
-    scheduler = _argv(compose["services"]["scheduler"])
-    metrics_port = scheduler[scheduler.index("--metrics-port") + 1]
-    assert jobs["scheduler"]["static_configs"][0]["targets"] == [f"scheduler:{metrics_port}"]
-    dns = jobs["worker"]["dns_sd_configs"][0]
-    worker = _argv(compose["services"]["worker"])
-    assert dns["names"] == ["worker"] and dns["type"] == "A"
-    assert str(dns["port"]) == worker[worker.index("--metrics-port") + 1]
-
-
-def test_alert_rules():
-    rules = [rule for group in _load_yaml(MONITORING / "alerts.yml")["groups"] for rule in group["rules"]]
-    used = _check_exprs([str(rule["expr"]) for rule in rules])
-    # No worker alive, KV cache nearly full, p95 TTFT high, error rate high.
-    assert {"fuseserve_workers_alive", "fuseserve_kv_free_blocks", "fuseserve_ttft_seconds"} <= used
-    assert "fuseserve_requests_total" in used
-    for rule in rules:
-        assert rule["alert"] and rule["annotations"]["summary"] and rule["labels"]["severity"]
-
-
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt prometheus)")
-def test_promtool_accepts_config_and_rules(tmp_path):
-    # promtool resolves rule_files relative to the config: copy both side by side.
-    config = _load_yaml(MONITORING / "prometheus.yml")
-    config["rule_files"] = ["alerts.yml"]
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    shutil.copy(MONITORING / "alerts.yml", tmp_path / "alerts.yml")
-    for args in (["check", "config", "prometheus.yml"], ["check", "rules", "alerts.yml"]):
-        result = subprocess.run(["promtool", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stdout + result.stderr
+    # every service is discovered through Docker's DNS (scaled replicas included), on its metrics port
+    ports = {"gateway": "8000"}
+    for name in ("scheduler", "worker"):
+        argv = _argv(compose["services"][name])
+        ports[name] = argv[argv.index("--metrics-port") + 1]
+    for name, port in ports.items():
+        dns = jobs[name]["dns_sd_configs"][0]
+        assert dns["names"] == [name] and dns["type"] == "A" and str(dns["port"]) == port
 
 
 # ------------------------------------------------------------------------------------ grafana
@@ -241,12 +173,8 @@ def test_grafana_provisioning_and_dashboard(compose):
 
     dashboard = json.loads((MONITORING / "grafana/dashboards/fuseserve.json").read_text())
     assert dashboard["uid"] == "fuseserve" and dashboard["panels"]
-    exprs = []
-    for panel in dashboard["panels"]:
+    for panel in dashboard["panels"]:  # the queries are checked in tests/test_monitoring.py
         assert panel["datasource"]["uid"] == datasource["uid"]
         assert panel["targets"], f"panel {panel['title']} has no query"
-        exprs += [target["expr"] for target in panel["targets"]]
-    used = _check_exprs(exprs)
-    assert used == COUNTERS | GAUGES | HISTOGRAMS  # every exported metric is on the dashboard
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))

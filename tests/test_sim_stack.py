@@ -3,6 +3,8 @@ the SmolLM2 tokenizer, two simulated workers (slowdowns 1 and 3), driven by the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 from stack_harness import MODEL, openai_client
@@ -59,3 +61,18 @@ def test_workers_register_simulated_with_metrics_ports(server):
     argv = server.stack.argv
     assert argv["worker-0"][-2:] == ["--simulate-slowdown", "1.0"]
     assert argv["worker-1"][-2:] == ["--simulate-slowdown", "3.0"]
+
+
+def test_top_once_reads_every_service(server, client, capsys):
+    from fuseserve.cli import main
+
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9, temperature=0)
+    argv = ["top", "--url", server.url, "--redis-url", server.stack.redis.url, "--once", "--json"]
+    assert main([*argv, "--interval", "0.2"]) == 0
+    frame = json.loads(capsys.readouterr().out)
+    assert frame["errors"] == [] and frame["scheduler"]["schedulers"] == 1
+    assert frame["scheduler"]["workers"] == 2 and frame["gateway"]["in_flight"] == 0
+    assert sorted(w["worker"] for w in frame["workers"]) == ["worker-0", "worker-1"]
+    assert all(w["kv_usage"] == 0 and w["blocks_total"] > 0 for w in frame["workers"])
+    assert main(["top", "--url", server.url, "--once", "--interval", "0"]) == 0  # the rich table
+    assert "in flight" in capsys.readouterr().out

@@ -42,7 +42,7 @@ from fuseserve.gateway.errors import (
     validation_error,
 )
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
-from fuseserve.gateway.metrics import GatewayMetrics
+from fuseserve.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from fuseserve.gateway.prompts import PromptEncoder
 from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from fuseserve.gateway.render import Renderer, sse
@@ -103,7 +103,7 @@ class Gateway:
         self.vocab_size = vocab_size
         self.encoder = PromptEncoder(self.tokenizer, vocab_size, self.max_model_len)
         self.gateway_id = uuid.uuid4().hex
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.model_name)
         self.redis: aioredis.Redis | None = None
         self.reader: aioredis.Redis | None = None  # the router's own client
         self.router: ResponseRouter | None = None
@@ -207,7 +207,6 @@ class Gateway:
         try:
             data = await self.read_json(request)
         except ClientDisconnect:  # gone while uploading: nothing to answer, nothing to log loudly
-            self.metrics.count_abort()
             log.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
             return Response(status_code=499)
         req = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
@@ -233,17 +232,14 @@ class Gateway:
         try:
             await gen.run()
         except ClientDisconnected:
-            self.metrics.count_abort()
             return Response(status_code=499)
         except BaseException:
             gen.abort()  # cancelled (server shutdown) or failed: free the sequences
             raise
-        self.metrics.count_status(200)
-        self.metrics.latency.observe(time.monotonic() - arrival)
+        self.metrics.e2e.observe(time.monotonic() - arrival)
         return JSONResponse(renderer.response(seqs))
 
     async def _stream(self, gen: Generation, renderer: Renderer, include_usage: bool):
-        status = "abort"
         try:
             first = renderer.role_chunk(gen.seqs, include_usage)
             if first is not None:
@@ -254,42 +250,29 @@ class Gateway:
                     yield sse(chunk)
             if gen.error is not None:
                 exc = scheduler_error(gen.error)
-                status = "error" if exc.http_status >= 500 else "client_error"
                 body = error_for(exc)
                 body["error"]["status"] = exc.http_status
                 yield sse(body)
             else:
                 if include_usage:
                     yield sse(renderer.usage_chunk(gen.seqs))
-                status = "ok"
+                self.metrics.e2e.observe(time.monotonic() - gen.arrival)
             yield sse("[DONE]")
         except ClientDisconnected:
             pass
         finally:
             if not gen.finished:
                 gen.abort()
-                status = "abort"
-            if status == "abort":
-                self.metrics.count_abort()
-            else:
-                self.metrics.requests.labels(status=status).inc()
-                if status == "ok":
-                    self.metrics.latency.observe(time.monotonic() - gen.arrival)
 
     async def health(self) -> JSONResponse:
         """200 ``{"status": "ok", "workers": n}``; 503 with status "no_scheduler" or "no_worker";
         503 OpenAI error JSON when Redis cannot be reached (the app's handler)."""
         snap = await self.admission.snapshot(fresh=True)
-        self._set_queue_depth(snap.waiting)
         if not snap.scheduler_alive:
             return JSONResponse({"status": "no_scheduler", "workers": snap.num_workers}, status_code=503)
         if snap.num_workers == 0:
             return JSONResponse({"status": "no_worker", "workers": 0}, status_code=503)
         return JSONResponse({"status": "ok", "workers": snap.num_workers})
-
-    def _set_queue_depth(self, waiting: int | None) -> None:
-        if waiting is not None:
-            self.metrics.queue_depth.set(waiting)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -309,7 +292,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="fuseserve gateway", lifespan=lifespan)
     app.state.gateway = gw
-    install_handlers(app, gw.metrics.count_status)
+    install_handlers(app)
+    app.add_middleware(MetricsMiddleware, metrics=gw.metrics)  # added last: outermost, sees every status
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -336,8 +320,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        with contextlib.suppress(Exception):  # metrics must answer even when Redis does not
-            gw._set_queue_depth((await gw.admission.snapshot()).waiting)
         return Response(gw.metrics.exposition(), media_type=gw.metrics.content_type)
 
     return app

@@ -120,8 +120,9 @@ def validation_error(exc: ValidationError | RequestValidationError) -> InvalidRe
     return InvalidRequestError(f"invalid value for '{where}': {first.get('msg')}", param=param)
 
 
-def install_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
-    """Register the exception handlers; ``on_error(status)`` is called for every error answered."""
+def install_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda _status: None) -> None:
+    """Register the exception handlers; ``on_error(status)`` is called for every error answered
+    (the gateway's statuses are counted by ``metrics.MetricsMiddleware`` instead)."""
 
     @app.exception_handler(FuseServeError)
     async def _typed(request: Request, exc: FuseServeError) -> JSONResponse:
