@@ -52,6 +52,7 @@ class FakeScheduler:
     would (no heartbeat, no events); ``revive()`` restarts it with no sequence in flight."""
 
     def __init__(self, url: str):
+        self.url = url  # the Redis URL (with its password)
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.token_delay = 0.0
         self.error_next: dict | None = None

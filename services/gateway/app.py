@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -31,9 +31,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.requests import ClientDisconnect
 
+from fuseserve.config import RequestLimits
 from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.errors import FuseServeError, InvalidRequestError
 from fuseserve.gateway.admission import Admission
+from fuseserve.gateway.auth import ApiKeys
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
     RequestTooLargeError,
@@ -42,6 +44,7 @@ from fuseserve.gateway.errors import (
     validation_error,
 )
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
+from fuseserve.gateway.limits import Limiter, install_guards
 from fuseserve.gateway.metrics import GatewayMetrics
 from fuseserve.gateway.prompts import PromptEncoder
 from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -53,7 +56,6 @@ from fuseserve.model_source import ModelSource, resolve_model
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 @dataclass
@@ -63,7 +65,9 @@ class GatewaySettings:
     redis_url: the Redis of the stack. model: alias, directory or .gguf (only its tokenizer and
     config are loaded). served_model_name: the name clients send as ``model`` (default: the
     model's name). max_queue: answer 429 while the scheduler has this many sequences waiting.
-    max_body_bytes: larger request bodies get 413. max_model_len: context length in tokens
+    limits: what one request may cost (``fuseserve.config.RequestLimits``; ``gateway/limits.py``).
+    api_keys: accepted keys (None: no key needed; ``gateway/auth.py``). protect_metrics: ``/metrics``
+    needs a key too. max_model_len: context length in tokens
     (default: ``config.max_position_embeddings``). admission_cache_s: seconds the worker / queue
     snapshot is reused. disconnect_poll_s: seconds between client-disconnect checks while waiting.
     redis_max_connections: pooled Redis connections shared by requests. redis_pool_timeout_s:
@@ -76,7 +80,9 @@ class GatewaySettings:
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None
     max_queue: int = 1024
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    api_keys: ApiKeys | None = None
+    protect_metrics: bool = False
     max_model_len: int | None = None
     cache_dir: str | None = None
     admission_cache_s: float = 0.25
@@ -102,6 +108,7 @@ class Gateway:
         vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
         self.vocab_size = vocab_size
         self.encoder = PromptEncoder(self.tokenizer, vocab_size, self.max_model_len)
+        self.limiter = Limiter(settings.limits)
         self.gateway_id = uuid.uuid4().hex
         self.metrics = GatewayMetrics()
         self.redis: aioredis.Redis | None = None
@@ -145,10 +152,10 @@ class Gateway:
 
     # ------------------------------------------------------------------ request handling
     async def read_json(self, request: Request) -> dict:
-        """The body as a JSON object; 413 past ``max_body_bytes`` (checked before parsing), else 400
-        (not JSON, nested too deeply, not an object). Raises ``ClientDisconnect`` when the client
+        """The body as a JSON object; 413 past ``limits.max_body_bytes`` (checked before parsing), else
+        400 (not JSON, nested too deeply, not an object). Raises ``ClientDisconnect`` when the client
         goes away while sending it."""
-        limit = self.settings.max_body_bytes
+        limit = self.settings.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
             try:
@@ -180,6 +187,7 @@ class Gateway:
             raise validation_error(e) from None
         if req.model != self.model_name:
             raise ModelNotFoundError(req.model, self.model_name)
+        self.limiter.check_body(data)
         return req
 
     async def sequences(
@@ -190,6 +198,9 @@ class Gateway:
         prompts = (
             [self.encoder.chat_prompt(req.messages)] if chat else self.encoder.completion_prompts(req.prompt)
         )
+        lens = [len(ids) for ids in prompts]
+        self.limiter.check_prompts(lens)
+        self.limiter.default_max_tokens(req, self.max_model_len - max(lens))
         plans = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
@@ -310,6 +321,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="fuseserve gateway", lifespan=lifespan)
     app.state.gateway = gw
     install_handlers(app, gw.metrics.count_status)
+    install_guards(app, settings.limits, settings.api_keys, settings.protect_metrics, gw.metrics.count_status)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -350,9 +362,19 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         model=getattr(args, "model", None) or DEFAULT_MODEL,
         served_model_name=getattr(args, "served_model_name", None),
         max_queue=int(getattr(args, "max_queue", None) or 1024),
-        max_body_bytes=int(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES),
         max_model_len=getattr(args, "max_model_len", None),
         cache_dir=getattr(args, "cache_dir", None),
+        limits=RequestLimits(
+            **{
+                f.name: getattr(args, f.name)
+                for f in fields(RequestLimits)
+                if getattr(args, f.name, None) is not None
+            }
+        ),
+        api_keys=ApiKeys.load(
+            [getattr(args, "api_key", None) or ""], key_file=getattr(args, "api_key_file", None)
+        ),
+        protect_metrics=bool(getattr(args, "protect_metrics", False)),
     )
 
 
@@ -360,8 +382,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     """``fuseserve gateway``: serve the app with uvicorn until interrupted; returns the exit code.
 
     Reads ``args.redis_url``, ``model``, ``host`` (default 127.0.0.1), ``port`` (8000), ``max_queue``,
-    ``max_body_bytes``, ``log_level`` (info), and optionally ``served_model_name``,
-    ``max_model_len``, ``cache_dir``.
+    ``log_level`` (info), and optionally ``served_model_name``, ``max_model_len``, ``cache_dir``,
+    ``api_key``, ``api_key_file``, ``protect_metrics`` and the ``RequestLimits`` fields.
     """
     import uvicorn
 
