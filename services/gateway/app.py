@@ -181,13 +181,13 @@ class Gateway:
         return data
 
     def parse(self, model: type, data: dict):
+        self.limiter.check_body(data)
         try:
             req = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
         if req.model != self.model_name:
             raise ModelNotFoundError(req.model, self.model_name)
-        self.limiter.check_body(data)
         return req
 
     async def sequences(
@@ -199,7 +199,7 @@ class Gateway:
             [self.encoder.chat_prompt(req.messages)] if chat else self.encoder.completion_prompts(req.prompt)
         )
         lens = [len(ids) for ids in prompts]
-        self.limiter.check_prompts(lens)
+        self.limiter.check_prompts(lens, "messages" if chat else "prompt")
         self.limiter.default_max_tokens(req, self.max_model_len - max(lens))
         plans = []
         for p, ids in enumerate(prompts):

@@ -5,7 +5,7 @@ Each limit is refused with a 4xx whose message names the limit's flag (``--max-n
 - body size: 413, while reading the body (``Gateway.read_json``);
 - ``n``, ``max_tokens`` / ``max_completion_tokens``, ``logprobs`` / ``top_logprobs``, the number and
   length of stop strings: 400, by a pydantic model built from the configured limits
-  (:func:`limits_model`) and run on the body after the request model accepted it;
+  (:func:`limits_model`) run on the body before the request model (which reports type errors);
 - JSON size of schema-carrying fields (``response_format``, ``tools``, ``guided_json``, ...): 400;
 - prompt tokens: 400, once the prompts are tokenized (:meth:`Limiter.check_prompts`);
 - requests in flight per API key (per client address without keys): 429 with ``Retry-After``, by
@@ -51,6 +51,9 @@ FIELD_LIMITS = {
 }
 """Request field → the ``RequestLimits`` field bounding it (stop: count; each string: ``max_stop_chars``)."""
 
+BOUND_ERRORS = frozenset({"less_than_equal", "too_long", "string_too_long"})
+"""pydantic error types of a value past its bound (the rest are type errors)."""
+
 RETRY_AFTER_S = 1
 
 
@@ -81,8 +84,8 @@ def _as_list(value: Any) -> Any:
 def limits_model(limits: RequestLimits) -> type[BaseModel]:
     """A pydantic model of the bounded request fields, its bounds taken from ``limits``.
 
-    Types are not its business (the request model has checked them): unknown fields are ignored
-    and values are coerced leniently (``logprobs: true`` counts as 1).
+    Types are not its business (the request model checks them): unknown fields are ignored and
+    values are coerced leniently (``logprobs: true`` counts as 1).
     """
 
     def upto(limit: int | None) -> Any:
@@ -123,22 +126,25 @@ class Limiter:
         try:
             self.model.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
+            # type errors are the request model's to report; only bounds are ours
+            bounds = [err for err in e.errors() if err["type"] in BOUND_ERRORS]
+            if not bounds:
+                return
+            err = bounds[0]
             param = str(err["loc"][0])
-            if param == "stop" and len(err["loc"]) > 1:  # one string too long
+            if err["type"] == "string_too_long":  # one stop string
                 value = f"a string of {len(err['input'])} characters"
                 raise LimitExceededError(param, "max_stop_chars", value, self.limits.max_stop_chars) from None
             limit = FIELD_LIMITS[param]
-            value = err.get("input")
-            if param == "stop":
-                value = f"{len(value)} strings"
+            value = f"{len(err['input'])} strings" if param == "stop" else err["input"]
             raise LimitExceededError(param, limit, value, getattr(self.limits, limit)) from None
 
-    def check_prompts(self, prompt_lens: list[int]) -> None:
-        """Raise ``LimitExceededError`` (400, param "prompt") for a prompt longer than ``max_prompt_tokens``."""
+    def check_prompts(self, prompt_lens: list[int], param: str = "prompt") -> None:
+        """Raise ``LimitExceededError`` (400, ``param``: "prompt" or "messages") for a prompt longer
+        than ``max_prompt_tokens`` (a chat prompt counted after its template)."""
         limit = self.limits.max_prompt_tokens
         if limit is not None and prompt_lens and max(prompt_lens) > limit:
-            raise LimitExceededError("prompt", "max_prompt_tokens", f"{max(prompt_lens)} tokens", limit)
+            raise LimitExceededError(param, "max_prompt_tokens", f"{max(prompt_lens)} tokens", limit)
 
     def default_max_tokens(self, req: Any, room: int) -> None:
         """With ``max_output_tokens`` set, give a request that asks no ``max_tokens`` that many
