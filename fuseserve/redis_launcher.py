@@ -183,7 +183,8 @@ def start_redis_server(
     log_path = Path(workdir) / "redis.log"
     password = password or secrets.token_urlsafe(24)
     # The password goes in a config file read from stdin ("-"), not argv: `ps` shows argv to all users.
-    config = f"requirepass {password}\n"
+    quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+    config = f'requirepass "{quoted}"\n'  # Redis config strings: double quotes, backslash escapes
     for _attempt in range(3):  # the free port may be taken between asking and binding
         port = free_port(host)
         url = with_password(f"redis://{host}:{port}/0", password)
