@@ -207,7 +207,7 @@ class RequestLimits:
 
     max_body_bytes: int = _limit(4 << 20, "--max-body-bytes", 413, "largest request body in bytes")
     max_prompt_tokens: int | None = _limit(
-        None, "--max-prompt-tokens", 400, "tokens per prompt (default: the context length)"
+        None, "--max-prompt-tokens", 400, "tokens per prompt (a chat prompt after its template)"
     )
     max_n: int = _limit(16, "--max-n", 400, "choices per prompt (n)")
     max_stop: int = _limit(16, "--max-stop", 400, "stop strings per request")
@@ -216,7 +216,7 @@ class RequestLimits:
         None,
         "--max-output-tokens",
         400,
-        "max_tokens a request may ask for, and the default when it asks none (default: the context)",
+        "max_tokens a request may ask for, and the default when it asks none",
     )
     max_logprobs: int = _limit(20, "--max-logprobs", 400, "logprobs / top_logprobs alternatives per token")
     max_schema_bytes: int = _limit(

@@ -44,7 +44,7 @@ def _guards(p: argparse.ArgumentParser) -> None:
         "--protect-metrics", action="store_true", help="/metrics needs an API key too (/health never does)"
     )
     for f in fields(RequestLimits):
-        default = "none" if f.default is None else f.default
+        default = "none: the context length" if f.default is None else f.default
         p.add_argument(
             f.metadata["flag"],
             dest=f.name,
