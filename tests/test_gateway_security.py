@@ -222,6 +222,22 @@ def test_concurrent_requests_per_key_get_429_with_retry_after(server, http, fake
     assert http.post("/v1/completions", json=_completion()).status_code == 200  # slots were released
 
 
+def test_fuseserve_client_sends_its_key(server, monkeypatch):
+    import fuseserve
+    from fuseserve.errors import InvalidRequestError
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with fuseserve.Client(server.url, timeout=20, api_key=KEY) as client:
+        assert client.generate("Hello there", max_new_tokens=2)[0].text == "Hello there"
+    with fuseserve.Client(server.url, timeout=20, model=MODEL) as client:
+        with pytest.raises(InvalidRequestError) as refused:
+            client.generate("Hello there", max_new_tokens=2)
+        assert refused.value.http_status == 401
+    monkeypatch.setenv(API_KEY_ENV, FILE_KEY)
+    with fuseserve.Client(server.url, timeout=20) as client:
+        assert client.models() == [MODEL]
+
+
 def test_no_key_in_any_log_line(server, http, records):
     with httpx.Client(base_url=server.url, timeout=20) as anon:
         anon.post("/v1/completions", json=_completion(), headers={"Authorization": f"Bearer {KEY}x"})
