@@ -19,7 +19,7 @@ import redis
 from stack_harness import MODEL, openai_client
 
 from fuseserve import messages
-from fuseserve.redis_launcher import free_port
+from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, free_port
 
 PROMPT = "Simulated workers answer with deterministic tokens:"
 KEY = "sk-sim-stack-test"
@@ -148,3 +148,26 @@ def test_children_get_secrets_by_environment_not_argv(server):
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
             cmdline = f.read().decode(errors="replace")
         assert password not in cmdline and KEY not in cmdline, name
+
+
+def test_a_restarted_child_connects_with_the_password_again(server):
+    stack = server.stack
+    r = redis.Redis.from_url(stack.redis.url, decode_responses=True)
+    old_address = messages.WorkerRecord.decode(r.get(messages.worker_key("worker-1"))).address
+    old = dict(stack.procs)["worker-1"]
+    old.kill()
+    old.wait()
+    stack.supervise()  # what `fuseserve serve` runs every 0.5 s
+    new = dict(stack.procs)["worker-1"]
+    assert new.pid != old.pid
+    with open(f"/proc/{new.pid}/environ", "rb") as f:
+        assert f"{REDIS_PASSWORD_ENV}={stack.redis.password}".encode() in f.read().split(b"\0")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # registered again (port 0: a new address) through an AUTHed client
+        raw = r.get(messages.worker_key("worker-1"))
+        if raw and messages.WorkerRecord.decode(raw).address != old_address:
+            break
+        assert new.poll() is None, "the restarted worker exited"
+        time.sleep(0.25)
+    else:
+        pytest.fail("the restarted worker did not register again")
