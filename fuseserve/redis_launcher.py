@@ -62,6 +62,29 @@ def without_password(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+class RedisAuthError(FuseServeError):
+    """Redis refused the password (or wants one and got none); the message says where and what to set."""
+
+
+def check_redis_auth(url: str, timeout: float = 5.0) -> None:
+    """Raise ``RedisAuthError`` when the Redis at ``url`` refuses its credentials. A Redis that does not
+    answer is not an error here: the services wait for it and retry as before."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        client.ping()
+    except redis.AuthenticationError as e:
+        raise RedisAuthError(
+            f"Redis at {without_password(url)} refused the connection: {e} "
+            f"(set --redis-password or ${REDIS_PASSWORD_ENV} to its requirepass password)"
+        ) from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        pass
+    finally:
+        client.close()
+
+
 def password_of(url: str) -> str | None:
     """The AUTH password in ``url`` (decoded), or None."""
     password = urlsplit(url).password

