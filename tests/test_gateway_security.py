@@ -192,6 +192,17 @@ def test_chat_limits_and_values_at_the_limits_pass(http):
     assert r.status_code == 200, r.text
 
 
+def test_limits_with_zero_logprobs():
+    from fuseserve.gateway.limits import Limiter, LimitExceededError
+
+    limiter = Limiter(RequestLimits(max_logprobs=0))
+    limiter.check_body({"logprobs": True, "messages": []})  # chat: the chosen token only
+    limiter.check_body({"logprobs": 0, "prompt": "x"})
+    with pytest.raises(LimitExceededError, match="--max-logprobs=0"):
+        limiter.check_body({"logprobs": 1, "prompt": "x"})
+    limiter.check_body({"n": "many"})  # a type error: the request model reports it, not the limits
+
+
 def test_max_output_tokens_is_the_default(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7, 8] * 2, "ignore_eos": True})
     assert r.status_code == 200, r.text

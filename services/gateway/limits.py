@@ -81,11 +81,16 @@ def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
+def _chat_logprobs(value: Any) -> Any:
+    """Chat's ``logprobs: true`` asks for the chosen token only (its alternatives are ``top_logprobs``)."""
+    return 0 if isinstance(value, bool) else value
+
+
 def limits_model(limits: RequestLimits) -> type[BaseModel]:
     """A pydantic model of the bounded request fields, its bounds taken from ``limits``.
 
     Types are not its business (the request model checks them): unknown fields are ignored and
-    values are coerced leniently (``logprobs: true`` counts as 1).
+    values are coerced leniently (chat's ``logprobs: true`` counts as 0 alternatives).
     """
 
     def upto(limit: int | None) -> Any:
@@ -98,7 +103,7 @@ def limits_model(limits: RequestLimits) -> type[BaseModel]:
         n=(int | None, upto(limits.max_n)),
         max_tokens=(int | None, upto(limits.max_output_tokens)),
         max_completion_tokens=(int | None, upto(limits.max_output_tokens)),
-        logprobs=(int | None, upto(limits.max_logprobs)),
+        logprobs=(Annotated[int | None, BeforeValidator(_chat_logprobs)], upto(limits.max_logprobs)),
         top_logprobs=(int | None, upto(limits.max_logprobs)),
         stop=(
             Annotated[list[stop_string] | None, BeforeValidator(_as_list)],
