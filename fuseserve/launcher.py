@@ -295,6 +295,13 @@ def run_serve(args: argparse.Namespace) -> int:
         getattr(args, "api_key", None) or getattr(args, "api_key_file", None) or os.environ.get(API_KEY_ENV)
     )
     auth = ", API key required" if keyed else ", no API key needed"
+    if not keyed and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"fuseserve: warning: serving on {args.host} without an API key; anyone who can reach "
+            f"port {args.port} can use it (set {API_KEY_ENV} or --api-key-file)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"fuseserve is serving {args.model} with {args.workers} worker(s){simulated} at {base}/v1 "
         f"(OpenAI-compatible{auth}; Ctrl-C stops)",

@@ -4,8 +4,10 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
 ``"stream": true``), ``GET /v1/models``, ``GET /health`` (503 without a live scheduler or worker, or without Redis),
-``GET /metrics`` (Prometheus). A request is validated, tokenized and checked against the context
-and the scheduler's queue *before* anything is sent; then each sequence gets a ``seq_id`` (INCR),
+``GET /metrics`` (Prometheus). With API keys configured every path but ``/health`` (and ``/metrics``
+unless protected) needs one (``auth.py``); ``limits.py`` bounds what one request may cost. A
+request is validated, tokenized and checked against the context and the scheduler's queue *before*
+anything is sent; then each sequence gets a ``seq_id`` (INCR),
 is XADDed to ``REQUESTS``, and its token events come back on this gateway's response stream.
 
 Redis connections come from a blocking pool: under a burst a request waits up to
