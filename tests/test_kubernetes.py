@@ -99,6 +99,21 @@ def test_gateway_requires_the_api_key_from_its_secret(objects):
             assert API_KEY_ENV not in {e["name"] for e in _container(deployment).get("env", [])}, name
 
 
+def test_network_policies_keep_grpc_and_redis_internal(objects):
+    policies = by_kind(objects, "NetworkPolicy")
+    deployments = by_kind(objects, "Deployment")
+    worker = policies["worker"]["spec"]
+    assert worker["podSelector"]["matchLabels"] == deployments["worker"]["spec"]["selector"]["matchLabels"]
+    grpc_rule, metrics_rule = worker["ingress"]
+    assert grpc_rule["ports"] == [{"port": "grpc"}]
+    assert grpc_rule["from"] == [{"podSelector": deployments["scheduler"]["spec"]["selector"]}]
+    assert metrics_rule == {"ports": [{"port": "metrics"}]}  # scrapers anywhere, nothing else
+    (redis_rule,) = policies["redis"]["spec"]["ingress"]
+    allowed = redis_rule["from"][0]["podSelector"]["matchExpressions"][0]["values"]
+    assert set(allowed) == {"gateway", "scheduler", "worker"} and redis_rule["ports"] == [{"port": "redis"}]
+    assert policies["scheduler"]["spec"]["ingress"] == [{"ports": [{"port": "metrics"}]}]
+
+
 def test_probes_gpu_and_disruption_budget(objects):
     deployments = by_kind(objects, "Deployment")
     gateway = _container(deployments["gateway"])
