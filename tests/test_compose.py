@@ -8,6 +8,8 @@ Static checks only (no Docker engine needed). ``docker-compose config`` (Debian 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -118,18 +120,84 @@ def test_bind_mounts_exist(compose):
                 assert (ROOT / source).exists(), f"{name}: mount source {source} missing"
 
 
-@pytest.mark.skipif(
-    shutil.which("docker-compose") is None, reason="docker-compose not installed (apt docker-compose)"
-)
-def test_compose_config_validates_against_the_compose_spec():
-    result = subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+_DEFAULTS = re.compile(r"\$\{[A-Z_]+:-([^}]*)\}")
+
+
+def _published(port) -> tuple[str, str] | None:
+    """(host address, host port) of one ``ports`` entry, variables replaced by their defaults;
+    None for a container port that is not published."""
+    if isinstance(port, dict):  # long syntax
+        return (port.get("host_ip") or "0.0.0.0", str(port["published"])) if "published" in port else None
+    parts = _DEFAULTS.sub(r"\1", str(port)).split(":")
+    if len(parts) == 1:
+        return ("0.0.0.0", parts[0])  # "8000": published on a random host port, every interface
+    return (parts[0] if len(parts) == 3 else "0.0.0.0", parts[-2])
+
+
+def test_only_the_gateway_is_published_beyond_loopback(compose):
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            host, _ = _published(port)
+            assert name == "gateway" or host == "127.0.0.1", f"{name} publishes {port} beyond loopback"
+    assert [_published(p) for p in compose["services"]["gateway"]["ports"]] == [("0.0.0.0", "8000")]
+    for name in ("redis", "scheduler", "worker"):  # Redis and the workers' gRPC: compose network only
+        assert "ports" not in compose["services"][name], name
+
+
+REQUIRED = re.compile(r"^\$\{(FUSESERVE_[A-Z_]+):\?[^}]+\}$")
+"""``${VAR:?message}``: compose refuses to start without VAR and prints the message."""
+
+
+def test_redis_requires_a_password_every_service_uses(compose):
+    services = compose["services"]
+    redis_env = services["redis"]["environment"]
+    assert REQUIRED.match(redis_env["FUSESERVE_REDIS_PASSWORD"]).group(1) == "FUSESERVE_REDIS_PASSWORD"
+    assert redis_env["REDISCLI_AUTH"] == redis_env["FUSESERVE_REDIS_PASSWORD"]  # the healthcheck's ping
+    script = (
+        _argv(services["redis"]) if services["redis"]["command"][0] != "sh" else services["redis"]["command"]
+    )
+    text = " ".join(script)
+    assert "requirepass" in text and "$$FUSESERVE_REDIS_PASSWORD" in text and "redis-server" in text
+    assert "--requirepass" not in text  # in a config file, not on the command line
+    for name in SUBCOMMANDS:
+        env = services[name]["environment"]
+        assert REQUIRED.match(env["FUSESERVE_REDIS_PASSWORD"]), name
+    assert REQUIRED.match(services["gateway"]["environment"]["FUSESERVE_API_KEY"])  # keys required
+    from fuseserve.config import API_KEY_ENV
+    from fuseserve.redis_launcher import REDIS_PASSWORD_ENV
+
+    assert {API_KEY_ENV, REDIS_PASSWORD_ENV} <= set(services["gateway"]["environment"])
+
+
+SECRETS = {"FUSESERVE_REDIS_PASSWORD": "redis-secret", "FUSESERVE_API_KEY": "sk-test"}
+
+
+def _compose_config(env: dict) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    return subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env={**clean, **env},
     )
+
+
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None, reason="docker-compose not installed (apt docker-compose)"
+)
+def test_compose_config_validates_against_the_compose_spec():
+    result = _compose_config(SECRETS)
     assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)["services"]
+    assert config["gateway"]["environment"]["FUSESERVE_API_KEY"] == "sk-test"
+    for name, service in config.items():
+        for port in service.get("ports", []):
+            assert name == "gateway" or _published(port)[0] == "127.0.0.1", (name, port)
+    for missing in SECRETS:  # one clear error naming the missing variable
+        result = _compose_config({k: v for k, v in SECRETS.items() if k != missing})
+        assert result.returncode != 0 and f"set {missing} in .env" in result.stderr, result.stderr
 
 
 # ------------------------------------------------------------------------------------ prometheus

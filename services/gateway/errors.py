@@ -33,13 +33,13 @@ class ModelNotFoundError(InvalidRequestError):
 
 
 class RequestTooLargeError(InvalidRequestError):
-    """The request body is larger than the gateway accepts (``max_body_bytes``)."""
+    """The request body is larger than the gateway accepts (``RequestLimits.max_body_bytes``)."""
 
     http_status = 413
 
     def __init__(self, size: int | None, limit: int):
         got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
-        super().__init__(f"request body too large: {got}; the limit is {limit} bytes")
+        super().__init__(f"request body too large: {got}; the limit --max-body-bytes is {limit} bytes")
 
 
 class SchedulerRejectedError(FuseServeError):
