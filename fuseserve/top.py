@@ -84,8 +84,9 @@ def discover(redis_url: str) -> tuple[list[str], list[str]]:
     import redis
 
     from fuseserve import messages
+    from fuseserve.redis_launcher import with_password
 
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = redis.Redis.from_url(with_password(redis_url), decode_responses=True)
     workers, schedulers = [], []
     for key in r.scan_iter(match=f"{messages.WORKER_PREFIX}*", count=100):
         raw = r.get(key)
@@ -275,7 +276,7 @@ def add_parser(sub) -> None:
         "top", help="live terminal view of a running stack (workers, KV, queue, tokens/s, p95s)"
     )
     t.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: %(default)s)")
-    t.add_argument("--redis-url", default=None, help="find schedulers' and workers' metrics endpoints here")
+    t.add_argument("--redis-url", default=None, help="find schedulers' and workers' metrics endpoints here (password: $FUSESERVE_REDIS_PASSWORD or in the URL)")
     t.add_argument("--scheduler", action="append", help="a scheduler's metrics URL (repeatable)")
     t.add_argument("--worker", action="append", help="a worker's metrics URL (repeatable)")
     t.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
