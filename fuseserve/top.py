@@ -276,7 +276,11 @@ def add_parser(sub) -> None:
         "top", help="live terminal view of a running stack (workers, KV, queue, tokens/s, p95s)"
     )
     t.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: %(default)s)")
-    t.add_argument("--redis-url", default=None, help="find schedulers' and workers' metrics endpoints here (password: $FUSESERVE_REDIS_PASSWORD or in the URL)")
+    t.add_argument(
+        "--redis-url",
+        default=None,
+        help="find schedulers' and workers' metrics endpoints here (password: $FUSESERVE_REDIS_PASSWORD or in the URL)",
+    )
     t.add_argument("--scheduler", action="append", help="a scheduler's metrics URL (repeatable)")
     t.add_argument("--worker", action="append", help="a worker's metrics URL (repeatable)")
     t.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
