@@ -20,7 +20,8 @@ Keys and streams (all JSON in a single ``data`` field):
   with a 503 error event.
 - ``scheduler_stats_key(consumer)``: each scheduler's own ``{"waiting": n, "running": n, "time": t,
   "workers": {id: {"admitted", "running", "free_blocks", "num_blocks"}}, ...}`` (with its ``pid``,
-  CPU per worker-step and worker idle times), written each second with a TTL. Readers add them up
+  CPU per worker-step, worker idle times and ``metrics_host`` / ``metrics_port``, its Prometheus
+  endpoint, port null when not served), written each second with a TTL. Readers add them up
   (``merge_scheduler_stats``, ``read_scheduler_stats``): the gateway answers 429 when too many
   requests wait in all schedulers together.
 

@@ -44,6 +44,7 @@ from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler import redis_io
 from fuseserve.scheduler.engine_core import EngineCore
+from fuseserve.scheduler.metrics import SchedulerMetrics
 from fuseserve.scheduler.redis_io import RedisInbox
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
@@ -62,33 +63,6 @@ class _Owner:
     gateway_id: str
     entry_id: str
     seq: Sequence
-
-
-class SchedulerMetrics:
-    def __init__(self, port: int | None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
-        self.running = Gauge("fuseserve_running_seqs", "sequences running", registry=self.registry)
-        self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
-        self.preemptions = Counter(
-            "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
-        )
-        self.cpu_per_step = Histogram(
-            "fuseserve_scheduler_cpu_seconds_per_worker_step",
-            "scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
-            registry=self.registry,
-            buckets=(2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05),
-        )
-        self.worker_idle = Histogram(
-            "fuseserve_scheduler_worker_idle_seconds",
-            "seconds a worker sat idle before a pass, as the workers report it",
-            registry=self.registry,
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
-        )
-        if port:
-            start_http_server(port, registry=self.registry)
 
 
 class SchedulerService:
@@ -113,10 +87,11 @@ class SchedulerService:
         self.core = EngineCore(config, eos_token_ids=[])
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owners: dict[int, _Owner] = {}
-        self.leases = WorkerLeases(self.r, self.consumer, self.core)
         self.inbox = RedisInbox(self.r, self.consumer, wake=self.core.wakeup)
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
+        self.leases = WorkerLeases(self.r, self.consumer, self.core, self.metrics)
+        self.metrics.watch(self.core)
         self._last_discovery = self._last_claim = self._last_stats = self._last_trim = 0.0
         self._room_changed = True  # recompute ``room`` for the request reader
         self._no_worker_since: float | None = None
@@ -143,7 +118,7 @@ class SchedulerService:
             if entries:
                 log.warning("took over %d requests of a dead scheduler", len(entries))
                 self.num_taken_over += len(entries)
-            self._add_requests(entries)
+            self._add_requests(entries, taken_over=True)
             if start == "0-0" or not entries:
                 break
 
@@ -156,7 +131,7 @@ class SchedulerService:
                 messages.REQUESTS, messages.SCHEDULER_GROUP, self.consumer, 0, ids[i : i + 500], justid=True
             )
 
-    def _add_requests(self, entries) -> None:
+    def _add_requests(self, entries, taken_over: bool = False) -> None:
         errors: dict[str, list[messages.TokenMessage]] = defaultdict(list)
         rejected = []
         for entry_id, fields in entries:
@@ -181,6 +156,8 @@ class SchedulerService:
                 rejected.append(entry_id)
                 continue
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
+            if not taken_over:
+                self.metrics.note_arrival(msg.seq_id)
         self._room_changed = True
         redis_io.publish(self.r, errors, rejected)
 
@@ -230,12 +207,14 @@ class SchedulerService:
             by_gateway[owner.gateway_id].append(redis_io.token_message(ev))
             if ev.finish_reason is not None:
                 done.append(self.owners.pop(ev.seq_id).entry_id)
+                self.metrics.forget(ev.seq_id)
         if done:
             self._room_changed = True
         redis_io.publish(self.r, by_gateway, done)
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
+        self.metrics.forget(seq_id)
         if owner is not None:
             self._room_changed = True
             redis_io.publish(self.r, {}, [owner.entry_id])
@@ -318,6 +297,8 @@ class SchedulerService:
             "scheduler": self.consumer,
             "pid": os.getpid(),
             "taken_over": self.num_taken_over,
+            "metrics_port": self.metrics.port,
+            "metrics_host": socket.gethostname(),
         }
         # its own record: readers add the schedulers' records up (``messages.read_scheduler_stats``)
         self.r.set(messages.scheduler_stats_key(self.consumer), json.dumps(stats), ex=10)

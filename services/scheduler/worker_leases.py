@@ -35,12 +35,14 @@ return 0
 
 class WorkerLeases:
     """The workers of one scheduler (``consumer``), added to and removed from ``core`` as they come,
-    go, or change hands."""
+    go, or change hands; ``metrics`` (a ``SchedulerMetrics``, optional) learns the model name and
+    forgets departed workers."""
 
-    def __init__(self, r: redis.Redis, consumer: str, core: EngineCore):
+    def __init__(self, r: redis.Redis, consumer: str, core: EngineCore, metrics=None):
         self.r = r
         self.consumer = consumer
         self.core = core
+        self.metrics = metrics
         self.leased: set[str] = set()  # workers this scheduler holds a lease on
         self._lost: set[str] = set()  # leases the heartbeat could not renew (another took them)
         self._renew = r.register_script(_RENEW_LUA)
@@ -94,6 +96,8 @@ class WorkerLeases:
             self._release(keys=[lease], args=[self.consumer])
             return
         self.leased.add(wid)
+        if self.metrics is not None:
+            self.metrics.set_model(rec.model)
         self.core.scheduler.eos_token_ids = set(rec.eos_token_ids)
         self.core.add_worker(wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget)
         log.info(
@@ -108,6 +112,8 @@ class WorkerLeases:
         """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
         handle = self.core.workers.get(wid)
         self.core.remove_worker(wid)
+        if self.metrics is not None:
+            self.metrics.drop_worker(wid)
         if handle is not None:
             handle.close()
         if wid in self.leased:
