@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 import redis
 
@@ -101,6 +102,20 @@ class RedisInbox:
         self._ready.set()
         self._wake()
 
+    def _read(self, what: str, stop: threading.Event, read: Callable[[], list]) -> list:
+        """The entries of ``read()`` (one blocking XREAD / XREADGROUP); ``[]`` after an error, which is
+        logged and waited out (``RETRY_S``): a reader outlives any Redis trouble."""
+        try:
+            resp = read()
+        except Exception as e:  # noqa: BLE001 - see above
+            if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
+                self._hand_over(NOGROUP, [])
+            elif not stop.is_set():
+                log.warning("reading %s failed (%s); retrying", what, e)
+            stop.wait(RETRY_S)
+            return []
+        return [e for _, batch in resp or [] for e in batch]
+
     def _read_requests(self, stop: threading.Event) -> None:
         while not stop.is_set():
             with self._cond:
@@ -108,27 +123,18 @@ class RedisInbox:
                 count = min(MAX_READ, self._room) if not self._unread else 0
             if count <= 0:
                 continue
-            try:
-                resp = self.r.xreadgroup(
+            entries = self._read(
+                "requests",
+                stop,
+                partial(
+                    self.r.xreadgroup,
                     messages.SCHEDULER_GROUP,
                     self.consumer,
                     {messages.REQUESTS: ">"},
                     count=count,
                     block=READ_BLOCK_MS,
-                )
-            except redis.ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    log.error("reading requests failed: %s", e)
-                else:
-                    self._hand_over(NOGROUP, [])
-                stop.wait(RETRY_S)
-                continue
-            except Exception as e:  # noqa: BLE001 - the reader must outlive any Redis trouble
-                if not stop.is_set():
-                    log.warning("reading requests failed (%s); retrying", e)
-                stop.wait(RETRY_S)
-                continue
-            entries = [e for _, batch in resp or [] for e in batch]
+                ),
+            )
             if entries:
                 with self._cond:
                     self._unread += 1
@@ -137,14 +143,11 @@ class RedisInbox:
     def _read_control(self, stop: threading.Event) -> None:
         last_id = "0-0"
         while not stop.is_set():
-            try:
-                resp = self.r.xread({messages.CONTROL: last_id}, count=1000, block=READ_BLOCK_MS)
-            except Exception as e:  # noqa: BLE001 - the reader must outlive any Redis trouble
-                if not stop.is_set():
-                    log.warning("reading the control stream failed (%s); retrying", e)
-                stop.wait(RETRY_S)
-                continue
-            entries = [e for _, batch in resp or [] for e in batch]
+            entries = self._read(
+                "the control stream",
+                stop,
+                partial(self.r.xread, {messages.CONTROL: last_id}, count=1000, block=READ_BLOCK_MS),
+            )
             if entries:
                 last_id = entries[-1][0]
                 self._hand_over(CONTROL, entries)
