@@ -54,7 +54,7 @@ MAX_PASS_TOKENS = 1 << 15
 """The largest pass ever considered (tokens)."""
 
 # feature scales: each feature ~1 in a typical pass, so one prior covariance fits them all
-_SCALES = np.array([1.0, 1e3, 1e2, 1e5, 1e7])
+_SCALES = np.array([1.0, 1.0, 1e3, 1e2, 1e5, 1e7])
 
 
 def curve_prior(curve: dict[int, float]) -> Callable[[PassShape], float]:
@@ -86,11 +86,12 @@ def curve_prior(curve: dict[int, float]) -> Callable[[PassShape], float]:
 class PassLatency:
     """One worker's predicted pass latency (seconds): a prior, corrected online from measured passes.
 
-    ``predict(shape) = prior(shape) + w . x(shape)``, with ``x = [1, tokens, sequences, kv tokens,
-    attention pairs]`` (scaled) and ``w`` fitted by recursive least squares with forgetting to the
-    residual ``measured - prior`` of every pass the worker reports. Starting at ``w = 0`` the
-    prediction is the prior until measurements say otherwise; directions no pass has exercised stay
-    at the prior. Without a prior the fit alone predicts, after ``min_samples`` passes.
+    ``predict(shape) = w . x(shape)``, with ``x = [prior(shape), 1, tokens, sequences, kv tokens,
+    attention pairs]`` (scaled) and ``w`` fitted by recursive least squares with forgetting to every
+    pass the worker reports. It starts at ``w = [1, 0, ...]``: the prediction is the prior until
+    measurements say otherwise (a device uniformly slower than profiled moves the first weight;
+    context and sequence costs the profile did not see move the others); directions no pass has
+    exercised stay at the prior. Without a prior the fit alone predicts, after ``min_samples`` passes.
 
     prior: the start-up profile (``curve_prior``) or a latency model (``LatencyModel.shape_seconds``).
     forgetting: RLS forgetting factor per pass (older passes weigh less as the device drifts).
@@ -108,12 +109,13 @@ class PassLatency:
         self.min_samples = min_samples
         self.num_samples = 0
         self._w = np.zeros(len(_SCALES))
+        self._w[0] = 1.0 if prior is not None else 0.0
         self._p0 = prior_variance
         self._P = np.eye(len(_SCALES)) * prior_variance
 
-    @staticmethod
-    def _features(shape: PassShape) -> np.ndarray:
-        raw = np.array([1.0, shape.num_tokens, shape.num_seqs, shape.kv_tokens, shape.attn_pairs])
+    def _features(self, shape: PassShape) -> np.ndarray:
+        base = self.prior(shape) if self.prior else 0.0
+        raw = np.array([base, 1.0, shape.num_tokens, shape.num_seqs, shape.kv_tokens, shape.attn_pairs])
         return raw / _SCALES
 
     @property
@@ -126,7 +128,7 @@ class PassLatency:
         if seconds <= 0 or shape.num_tokens <= 0:
             return
         x = self._features(shape)
-        residual = seconds - (self.prior(shape) if self.prior else 0.0) - float(self._w @ x)
+        residual = seconds - float(self._w @ x)
         px = self._P @ x
         gain = px / (self.forgetting + float(x @ px))
         self._w = self._w + gain * residual
@@ -139,8 +141,7 @@ class PassLatency:
         """Predicted seconds of a pass of ``shape``; None while not ``ready``."""
         if not self.ready:
             return None
-        base = self.prior(shape) if self.prior else 0.0
-        return max(1e-6, base + float(self._w @ self._features(shape)))
+        return max(1e-6, float(self._w @ self._features(shape)))
 
 
 class SLOBudget:
@@ -171,13 +172,13 @@ class SLOBudget:
             sched.waiting.extend(ordered)
 
     def prompts(self, sched: Scheduler, slot: WorkerSlot) -> list[tuple[float, int, float]]:
-        """``(deadline, start_pos, tokens)`` of the prompts ``slot`` may run next, earliest first:
-        its partly computed prompts, then the queue's, each counted as 1/(workers) of its tokens."""
+        """``(deadline, start_pos, tokens)`` of the prompts ``slot`` may run next, in the order the
+        policy takes them: its partly computed prompts, then the queue's, each earliest deadline
+        first; a queued prompt counts 1/(workers) of its tokens (it may be placed on any worker)."""
         share = 1.0 / max(1, len(sched.slots))
-        items = [(self.deadline(s), s.num_computed_tokens, float(s.num_uncomputed)) for s in slot.running if s.in_prefill]
-        items += [(self.deadline(s), 0, s.num_tokens * share) for s in sched.waiting]
-        items.sort(key=lambda t: t[0])
-        return items
+        running = [(self.deadline(s), s.num_computed_tokens, float(s.num_uncomputed)) for s in slot.running if s.in_prefill]
+        waiting = [(self.deadline(s), 0, s.num_tokens * share) for s in sched.waiting]
+        return sorted(running, key=lambda t: t[0]) + sorted(waiting, key=lambda t: t[0])
 
     def pass_budget(self, sched: Scheduler, slot: WorkerSlot) -> int:
         """The token budget of ``slot``'s next pass (module docstring: ``min(L, max(knee, need, decodes))``).
@@ -224,7 +225,7 @@ class SLOBudget:
             return 0
         now = self.clock()
         rate, total = 0.0, 0.0
-        for deadline, _, tokens in prompts:
+        for deadline, _, tokens in sorted(prompts, key=lambda t: t[0]):
             total += tokens
             slack = deadline - now
             if slack <= 0:
