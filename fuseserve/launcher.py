@@ -137,6 +137,16 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     return engine
 
 
+def _slo_argv(args: argparse.Namespace) -> list[str]:
+    """The scheduler's latency targets (``--target-itl``, ``--target-prefill-rate``), when given."""
+    argv = []
+    for name in ("target_itl", "target_prefill_rate"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
 def worker_argv(
     args: argparse.Namespace, redis_url: str, index: int, worker_id: str | None = None
 ) -> list[str]:
@@ -187,7 +197,10 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         num_schedulers = getattr(args, "schedulers", 1)
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
-            stack.spawn(name, [*common, "scheduler", "--redis-url", url, *_engine_argv(args), *overlap])
+            stack.spawn(
+                name,
+                [*common, "scheduler", "--redis-url", url, *_engine_argv(args), *overlap, *_slo_argv(args)],
+            )
         for i in range(args.workers):
             stack.spawn(f"worker-{i}", worker_argv(args, url, i))
         stack.spawn(

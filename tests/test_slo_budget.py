@@ -32,7 +32,9 @@ class Clock:
 def make(policy="splitfuse", budget=128, itl=None, rate=None, prior=None, num_blocks=4000):
     clock = Clock()
     slo = {"target_itl": itl, "target_prefill_rate": rate} if itl or rate else {}
-    sched = Scheduler(EngineConfig(token_budget=budget, policy=policy, **slo), [], **({"clock": clock} if slo else {}))
+    sched = Scheduler(
+        EngineConfig(token_budget=budget, policy=policy, **slo), [], **({"clock": clock} if slo else {})
+    )
     sched.add_worker("w", num_blocks, 16, 1 << 20, budget, **({"latency_prior": prior} if prior else {}))
     return sched, clock
 
@@ -137,7 +139,9 @@ def plan_digest(policy: str, **slo) -> str:
         before = set(sched.seqs)
         plan = step(sched, clock, A6000)
         if plan is not None:
-            digest.update(repr([(c.seq_id, c.start_pos, c.num_tokens, c.sample) for c in plan.chunks]).encode())
+            digest.update(
+                repr([(c.seq_id, c.start_pos, c.num_tokens, c.sample) for c in plan.chunks]).encode()
+            )
         for _ in before - set(sched.seqs):
             if sent < len(lengths):
                 send()

@@ -72,6 +72,9 @@ class _Owner:
     seq: Sequence
 
 
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # as fuseserve_step_tokens
+
+
 class SchedulerMetrics:
     def __init__(self, port: int | None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -95,8 +98,19 @@ class SchedulerMetrics:
             registry=self.registry,
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
         )
+        self.pass_budget = Histogram(
+            "fuseserve_step_token_budget",
+            "token budget chosen for each planned pass (fixed, or sized from --target-itl / "
+            "--target-prefill-rate); beside the workers' fuseserve_step_tokens",
+            registry=self.registry,
+            buckets=_TOKEN_BUCKETS,
+        )
         if port:
             start_http_server(port, registry=self.registry)
+
+    def observe_pass(self, _worker: str, token_budget: int, _num_tokens: int) -> None:
+        """One planned pass's chosen budget (``Scheduler.pass_observers``)."""
+        self.pass_budget.observe(token_budget)
 
 
 def _error_type(status: int) -> str:
@@ -125,6 +139,7 @@ class SchedulerService:
         self._last_claim = 0.0
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
+        self.scheduler.pass_observers.append(self.metrics.observe_pass)
         self._last_discovery = 0.0
         self._last_stats = 0.0
         self._last_trim = 0.0
@@ -520,6 +535,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
         policy=args.policy,
         block_size=args.block_size,
         overlap=getattr(args, "overlap", True),
+        target_itl=getattr(args, "target_itl", None),
+        target_prefill_rate=getattr(args, "target_prefill_rate", None),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()

@@ -153,7 +153,9 @@ class SLOBudget:
     is the scheduler's.
     """
 
-    def __init__(self, target_itl: float | None, target_prefill_rate: float | None, clock: Callable[[], float]):
+    def __init__(
+        self, target_itl: float | None, target_prefill_rate: float | None, clock: Callable[[], float]
+    ):
         self.target_itl = target_itl
         self.target_prefill_rate = target_prefill_rate
         self.clock = clock
@@ -176,7 +178,11 @@ class SLOBudget:
         policy takes them: its partly computed prompts, then the queue's, each earliest deadline
         first; a queued prompt counts 1/(workers) of its tokens (it may be placed on any worker)."""
         share = 1.0 / max(1, len(sched.slots))
-        running = [(self.deadline(s), s.num_computed_tokens, float(s.num_uncomputed)) for s in slot.running if s.in_prefill]
+        running = [
+            (self.deadline(s), s.num_computed_tokens, float(s.num_uncomputed))
+            for s in slot.running
+            if s.in_prefill
+        ]
         waiting = [(self.deadline(s), 0, s.num_tokens * share) for s in sched.waiting]
         return sorted(running, key=lambda t: t[0]) + sorted(waiting, key=lambda t: t[0])
 
