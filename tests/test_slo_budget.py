@@ -159,3 +159,14 @@ FIXED_BUDGET_DIGESTS = {
 @pytest.mark.parametrize("policy", sorted(FIXED_BUDGET_DIGESTS))
 def test_without_targets_plans_are_exactly_the_fixed_budget_ones(policy):
     assert plan_digest(policy) == FIXED_BUDGET_DIGESTS[policy]
+
+
+def test_serve_passes_targets_to_the_scheduler():
+    from fuseserve.cli import build_parser
+    from fuseserve.launcher import _slo_argv
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--target-itl", "0.5", "--target-prefill-rate", "100"])
+    sched = parser.parse_args(["scheduler", "--redis-url", "redis://x:1", *_slo_argv(serve)])
+    assert (sched.target_itl, sched.target_prefill_rate) == (0.5, 100.0)
+    assert _slo_argv(parser.parse_args(["serve"])) == []
