@@ -1,5 +1,6 @@
 """A simulated stack (``fuseserve.serve(..., simulate=PRESET)``): real Redis, scheduler and gateway with
-the SmolLM2 tokenizer, two simulated workers (slowdowns 1 and 3), driven by the ``openai`` client."""
+the SmolLM2 tokenizer, two simulated workers (slowdowns 1 and 3), driven by the ``openai`` client; the
+scheduler runs with latency targets (passes sized by ``slo_budget``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ def server(smollm2_source):
     import fuseserve
 
     with fuseserve.serve(
-        MODEL, workers=2, port=free_port(), simulate="a100-llama2-7b", simulate_slowdown="1,3"
+        MODEL,
+        workers=2,
+        port=free_port(),
+        simulate="a100-llama2-7b",
+        simulate_slowdown="1,3",
+        target_itl=0.25,
+        target_prefill_rate=512,
     ) as s:
         yield s
 
@@ -59,3 +66,11 @@ def test_workers_register_simulated_with_metrics_ports(server):
     argv = server.stack.argv
     assert argv["worker-0"][-2:] == ["--simulate-slowdown", "1.0"]
     assert argv["worker-1"][-2:] == ["--simulate-slowdown", "3.0"]
+
+
+def test_scheduler_gets_the_latency_targets(server):
+    """``fuseserve serve --target-itl --target-prefill-rate`` hands them to the scheduler (the other
+    tests here run with them: a simulated worker has no start-up profile, so its passes are sized
+    once 8 are measured)."""
+    scheduler = next(argv for name, argv in server.stack.argv.items() if name.startswith("scheduler"))
+    assert scheduler[-4:] == ["--target-itl", "0.25", "--target-prefill-rate", "512"]
