@@ -39,9 +39,7 @@ from fuseserve.scheduler.scheduler import Scheduler
 from fuseserve.scheduler.sequence import Sequence
 from fuseserve.scheduler.slo_budget import curve_prior
 from fuseserve.types import SampledToken, StepPlan, StepResult
-from fuseserve.worker.latency_model import PRESETS, LatencyModel
-
-PROFILE_SIZES = (32, 64, 128, 256, 512)  # fuseserve.worker.profiler's (that module imports torch)
+from fuseserve.worker.latency_model import PRESETS, PROFILE_SIZES, LatencyModel
 
 WORKLOADS = {"2600/60": (2600, 60), "1200/128": (1200, 128)}
 

@@ -17,11 +17,11 @@ import torch
 
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SeqChunk, StepPlan
+from fuseserve.worker.latency_model import PROFILE_SIZES
 
 log = logging.getLogger(__name__)
 
 KNEE_FRACTION = 0.9
-PROFILE_SIZES = (32, 64, 128, 256, 512)
 PROFILE_VERSION = 2  # bump when the forward path changes enough to move the curve (invalidates caches)
 _PROFILE_SEQ_ID = -1  # never handed out to requests (sequence ids are >= 0)
 
