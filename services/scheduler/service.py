@@ -39,6 +39,7 @@ from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import GrpcWorker
+from fuseserve.scheduler.metrics import SchedulerMetrics
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
 
@@ -72,47 +73,6 @@ class _Owner:
     seq: Sequence
 
 
-_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # as fuseserve_step_tokens
-
-
-class SchedulerMetrics:
-    def __init__(self, port: int | None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
-        self.running = Gauge("fuseserve_running_seqs", "sequences running", registry=self.registry)
-        self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
-        self.preemptions = Counter(
-            "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
-        )
-        self.cpu_per_step = Histogram(
-            "fuseserve_scheduler_cpu_seconds_per_worker_step",
-            "scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
-            registry=self.registry,
-            buckets=(2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05),
-        )
-        self.worker_idle = Histogram(
-            "fuseserve_scheduler_worker_idle_seconds",
-            "seconds a worker sat idle before a pass, as the workers report it",
-            registry=self.registry,
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
-        )
-        self.pass_budget = Histogram(
-            "fuseserve_step_token_budget",
-            "token budget chosen for each planned pass (fixed, or sized from --target-itl / "
-            "--target-prefill-rate); beside the workers' fuseserve_step_tokens",
-            registry=self.registry,
-            buckets=_TOKEN_BUCKETS,
-        )
-        if port:
-            start_http_server(port, registry=self.registry)
-
-    def observe_pass(self, _worker: str, token_budget: int, _num_tokens: int) -> None:
-        """One planned pass's chosen budget (``Scheduler.pass_observers``)."""
-        self.pass_budget.observe(token_budget)
-
-
 def _error_type(status: int) -> str:
     return "service_unavailable" if status == 503 else "server_error"
 
@@ -139,7 +99,7 @@ class SchedulerService:
         self._last_claim = 0.0
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
-        self.scheduler.pass_observers.append(self.metrics.observe_pass)
+        self.metrics.watch(self.core)
         self._last_discovery = 0.0
         self._last_stats = 0.0
         self._last_trim = 0.0
@@ -179,7 +139,7 @@ class SchedulerService:
             if entries:
                 log.warning("took over %d requests of a dead scheduler", len(entries))
                 self.num_taken_over += len(entries)
-            self._add_requests(entries)
+            self._add_requests(entries, taken_over=True)
             if start == "0-0" or not entries:
                 break
 
@@ -229,6 +189,7 @@ class SchedulerService:
                 self._release(keys=[lease], args=[self.consumer])
                 continue
             self._leased.add(wid)
+            self.metrics.set_model(rec.model)
             self.scheduler.eos_token_ids = set(rec.eos_token_ids)
             self.core.add_worker(
                 wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
@@ -252,6 +213,7 @@ class SchedulerService:
         """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
         handle = self.core.workers.get(wid)
         self.core.remove_worker(wid)
+        self.metrics.drop_worker(wid)
         if handle is not None:
             handle.close()
         if wid in self._leased:
@@ -259,7 +221,7 @@ class SchedulerService:
             self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
 
     # ----- requests -----
-    def _add_requests(self, entries) -> None:
+    def _add_requests(self, entries, taken_over: bool = False) -> None:
         errors: dict[str, list[messages.TokenMessage]] = defaultdict(list)
         for entry_id, fields in entries:
             if not fields:  # deleted while pending
@@ -283,6 +245,8 @@ class SchedulerService:
                 self._ack(entry_id)
                 continue
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
+            if not taken_over:
+                self.metrics.note_arrival(msg.seq_id)
         self._publish(errors)
 
     def room(self) -> int:
@@ -356,6 +320,7 @@ class SchedulerService:
             )
             if ev.finish_reason is not None:
                 finished.append(ev.seq_id)
+                self.metrics.forget(ev.seq_id)
         done = [self.owners.pop(sid).entry_id for sid in finished if sid in self.owners]
         self._publish(by_gateway, done)
 
@@ -379,6 +344,7 @@ class SchedulerService:
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
+        self.metrics.forget(seq_id)
         if owner is not None:
             self._ack(owner.entry_id)
 
@@ -454,6 +420,8 @@ class SchedulerService:
             "scheduler": self.consumer,
             "pid": os.getpid(),
             "taken_over": self.num_taken_over,
+            "metrics_port": self.metrics.port,
+            "metrics_host": socket.gethostname(),
         }
         pipe = self.r.pipeline(transaction=False)
         pipe.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
