@@ -101,6 +101,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         device=a.device,
         dtype=a.dtype,
         attention_backend=a.attention_backend,
+        target_itl=a.target_itl,
+        target_prefill_rate=a.target_prefill_rate,
     )
     try:
         kwargs = _sampling_kwargs(a)
@@ -133,11 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
     )
+    from fuseserve import service_cli
+
     _engine_args(g)
+    service_cli.slo_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
-
-    from fuseserve import service_cli
 
     service_cli.add_parsers(sub, _engine_args)
     from fuseserve import top

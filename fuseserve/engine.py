@@ -28,8 +28,9 @@ from fuseserve.sampling_params import SamplingParams, check_text
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.scheduler import TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
+from fuseserve.scheduler.slo_budget import curve_prior
 from fuseserve.worker.model_runner import ModelRunner
-from fuseserve.worker.profiler import choose_token_budget
+from fuseserve.worker.profiler import knee, profile_curve
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class Pipeline:
         cache_dir: str | None = None,
         progress: bool = True,
         overlap: bool = True,
+        target_itl: float | None = None,
+        target_prefill_rate: float | None = None,
     ):
         self.config = EngineConfig(
             token_budget=token_budget,
@@ -89,6 +92,8 @@ class Pipeline:
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
+            target_itl=target_itl,
+            target_prefill_rate=target_prefill_rate,
         )
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
@@ -98,11 +103,21 @@ class Pipeline:
             self.source.path, self.source.config, self.eos_token_ids, self.config, progress=progress
         )
         info = self.runner.info
-        self.token_budget = token_budget or choose_token_budget(self.runner, str(self.source.path), cache_dir)
+        slo = target_itl is not None or target_prefill_rate is not None
+        curve = None  # the start-up profile: the knee, and with targets the latency prior
+        if token_budget is None or slo:
+            curve = profile_curve(self.runner, str(self.source.path), cache_dir)
+        self.token_budget = token_budget or knee(curve)
         self.max_model_len = info.max_model_len
         self.core = EngineCore(self.config, self.eos_token_ids)
         self.core.add_worker(
-            "local", self.runner, info.num_blocks, info.block_size, info.max_model_len, self.token_budget
+            "local",
+            self.runner,
+            info.num_blocks,
+            info.block_size,
+            info.max_model_len,
+            self.token_budget,
+            latency_prior=curve_prior(curve) if slo else None,
         )
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
@@ -375,7 +390,9 @@ def pipeline(
     on CPU, 85% of free GPU memory on CUDA). policy: "splitfuse", "prefill_first", "whole_prompt".
     Other keywords: block_size, device, dtype, attention_backend ("auto", "torch", "cpu", "triton",
     "flash-attn"), cache_dir, progress, overlap (build the next pass while the current one runs;
-    default True).
+    default True), target_itl (seconds) and target_prefill_rate (prompt tokens/s; TTFT target =
+    prompt tokens / rate): latency targets that size each SplitFuse pass from this device's measured
+    latency curve (``docs/architecture.md``, "SLO-driven token budget"); default None (fixed budget).
     Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
     """
     return Pipeline(

@@ -148,6 +148,16 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     return engine
 
 
+def _slo_argv(args: argparse.Namespace) -> list[str]:
+    """The scheduler's latency targets (``--target-itl``, ``--target-prefill-rate``), when given."""
+    argv = []
+    for name in ("target_itl", "target_prefill_rate"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
 def worker_argv(
     args: argparse.Namespace, redis_url: str, index: int, worker_id: str | None = None
 ) -> list[str]:
@@ -215,7 +225,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
             argv = ["scheduler", "--redis-url", url, "--metrics-port", "0", *_engine_argv(args), *overlap]
-            stack.spawn(name, [*common, *argv])
+            stack.spawn(name, [*common, *argv, *_slo_argv(args)])
         for i in range(args.workers):
             stack.spawn(f"worker-{i}", worker_argv(args, url, i))
         stack.spawn("gateway", *gateway_argv(args, url))

@@ -96,6 +96,27 @@ def _worker(a):
     return run_worker(_authenticated(a))
 
 
+def slo_args(p: argparse.ArgumentParser) -> None:
+    """``--target-itl`` / ``--target-prefill-rate``: latency targets that size each SplitFuse pass
+    (``fuseserve.config.EngineConfig``; ``docs/architecture.md``, "SLO-driven token budget")."""
+    p.add_argument(
+        "--target-itl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="inter-token latency to keep: each SplitFuse pass is sized from the measured latency "
+        "curve to stay within it (default: off, the fixed token budget)",
+    )
+    p.add_argument(
+        "--target-prefill-rate",
+        type=float,
+        default=None,
+        metavar="TOKENS_PER_S",
+        help="TTFT target = prompt tokens / this rate; prompts run earliest deadline first and "
+        "passes grow (within --target-itl) as deadlines need (default: off)",
+    )
+
+
 def add_parsers(sub, engine_args) -> None:
     """Register ``serve``, ``gateway``, ``scheduler`` and ``worker`` on the ``fuseserve`` parser."""
     s = sub.add_parser(
@@ -105,6 +126,7 @@ def add_parsers(sub, engine_args) -> None:
         "on this machine; Ctrl-C stops them all.",
     )
     engine_args(s)
+    slo_args(s)
     s.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
     s.add_argument(
         "--schedulers",
@@ -167,6 +189,7 @@ def add_parsers(sub, engine_args) -> None:
     c.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: a free one)"
     )
+    slo_args(c)
     c.add_argument(
         "--no-overlap",
         dest="overlap",

@@ -161,12 +161,16 @@ class EngineCore:
         max_model_len: int,
         token_budget: int | None = None,
         threaded: bool = True,
+        latency_prior=None,
     ) -> None:
         """Register a worker. ``threaded=False`` runs its plans inline in ``step``/``poll`` (tests).
+        ``latency_prior``: its start-up latency curve (``Scheduler.add_worker``).
 
         Raises ``SchedulerError`` when no token budget is known or the name is taken.
         """
-        self.scheduler.add_worker(name, num_blocks, block_size, max_model_len, token_budget, handle)
+        self.scheduler.add_worker(
+            name, num_blocks, block_size, max_model_len, token_budget, handle, latency_prior
+        )
         self._lanes[name] = _Lane(name, handle, self._done, threaded)
         self._dispatch_all = True
 

@@ -33,6 +33,8 @@ class Sequence:
     admitted_at: a counter value when it was last admitted (preemption picks the largest).
     num_tokens_at_admission: tokens known when it was last admitted; only a token sampled after
         that is held by the worker as the input of a decode entry (a recompute's are not).
+    arrival_time: when the scheduler queued it, on the scheduler's clock (seconds); the TTFT
+        deadline counts from here (``fuseserve.scheduler.slo_budget``).
     """
 
     seq_id: int
@@ -47,6 +49,7 @@ class Sequence:
     worker: str | None = None
     admitted_at: int = -1
     num_tokens_at_admission: int = 0
+    arrival_time: float = 0.0
 
     @property
     def prompt_len(self) -> int:

@@ -503,6 +503,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
         policy=args.policy,
         block_size=args.block_size,
         overlap=getattr(args, "overlap", True),
+        target_itl=getattr(args, "target_itl", None),
+        target_prefill_rate=getattr(args, "target_prefill_rate", None),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()
