@@ -7,11 +7,22 @@ from __future__ import annotations
 
 import argparse
 
+from fuseserve.messages import DRAIN_TIMEOUT_S
 from fuseserve.worker.latency_model import PRESETS
 
 
 def _redis(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", required=True, help="redis://host:port of the stack's Redis")
+
+
+def _drain(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=DRAIN_TIMEOUT_S,
+        help=f"on SIGTERM / Ctrl-C, {what}; a second signal stops at once (default: {DRAIN_TIMEOUT_S:g})",
+    )
 
 
 def _simulate(p: argparse.ArgumentParser, what: str) -> None:
@@ -91,6 +102,11 @@ def add_parsers(sub, engine_args) -> None:
         action="store_false",
         help="the scheduler sends a worker its next plan only after its current result (default: overlap)",
     )
+    _drain(
+        s,
+        "the scheduler(s) and workers get this long to finish their sequences (the gateway "
+        "stops first, so in practice only requests already sent finish)",
+    )
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -123,6 +139,11 @@ def add_parsers(sub, engine_args) -> None:
         dest="overlap",
         action="store_false",
         help="send a worker its next plan only after its current result (default: overlap)",
+    )
+    _drain(
+        c,
+        "read no new requests and finish the unfinished ones within this many seconds, or hand them "
+        "to another live scheduler at once",
     )
     c.set_defaults(func=_scheduler)
 
@@ -157,5 +178,10 @@ def add_parsers(sub, engine_args) -> None:
         type=float,
         default=1.0,
         help="multiply every simulated step's latency by F > 0 (default: 1)",
+    )
+    _drain(
+        w,
+        "take no new sequences and finish the running ones within this many seconds; those left "
+        "then recompute on other workers",
     )
     w.set_defaults(func=_worker)
