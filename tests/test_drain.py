@@ -5,6 +5,7 @@ tests (``test_stack_drain.py``) send real signals."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -99,3 +100,23 @@ def test_serve_passes_drain_timeout_to_scheduler_and_workers():
     parser = build_parser()
     assert parser.parse_args(["scheduler", "--redis-url", "x"]).drain_timeout == messages.DRAIN_TIMEOUT_S
     assert parser.parse_args(["worker", "--redis-url", "x", "--drain-timeout", "2.5"]).drain_timeout == 2.5
+
+
+def _drain_timeout(argv: list[str]) -> float:
+    words = " ".join(argv).split()
+    return float(words[words.index("--drain-timeout") + 1])
+
+
+def test_container_grace_periods_leave_room_for_the_drain():
+    """Compose and Kubernetes wait longer than the drain before SIGKILL (else a drain is cut off)."""
+    yaml = pytest.importorskip("yaml")
+    root = Path(__file__).resolve().parent.parent
+    compose = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]
+    for name in ("scheduler", "worker"):
+        grace = float(compose[name]["stop_grace_period"].rstrip("s"))
+        assert grace >= _drain_timeout(compose[name]["command"]) + 5, name
+    for name in ("scheduler", "worker"):
+        docs = yaml.safe_load_all((root / "deploy/kubernetes/base" / f"{name}.yaml").read_text())
+        pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace >= _drain_timeout(pod["containers"][0]["args"]) + 5, name
