@@ -16,14 +16,16 @@ MODEL = "smollm2-135m-instruct"
 
 @contextlib.contextmanager
 def local_stack(
-    token_budget: int, kv_cache_memory: str, dtype: str | None = None
+    token_budget: int, kv_cache_memory: str, dtype: str | None = None, schedulers: int = 1
 ) -> Iterator[tuple[object, str]]:
-    """``fuseserve.serve`` with 2 CPU workers (1 thread each); yields ``(stack, base_url)``."""
+    """``fuseserve.serve`` with 2 CPU workers (1 thread each) and ``schedulers`` schedulers; yields
+    ``(stack, base_url)``."""
     import fuseserve
 
     with fuseserve.serve(
         MODEL,
         workers=2,
+        schedulers=schedulers,
         port=free_port(),
         token_budget=token_budget,
         kv_cache_memory=kv_cache_memory,

@@ -19,9 +19,9 @@ import time
 import pytest
 import redis
 from stack_harness import (
-    MODEL,
     ask_streamed,
     busiest_scheduler,
+    local_stack,
     openai_client,
     proc_named,
     stats_of_live_schedulers,
@@ -31,7 +31,6 @@ from stack_harness import (
 )
 
 from fuseserve import messages
-from fuseserve.redis_launcher import free_port
 
 NUM_STREAMS = 8
 NEW_TOKENS = 24
@@ -40,20 +39,9 @@ PROMPTS = [f"Name a fact about the number {i}." for i in range(NUM_STREAMS)]
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    import fuseserve
-
-    with fuseserve.serve(
-        MODEL,
-        workers=2,
-        schedulers=2,
-        port=free_port(),
-        token_budget=32,
-        kv_cache_memory="64MiB",
-        device="cpu",
-        dtype="float32",  # exact text after a recompute or a takeover
-        threads=1,
-    ) as server:
-        yield server.stack, server.url
+    # fp32: exact text after a recompute or a takeover
+    with local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32", schedulers=2) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

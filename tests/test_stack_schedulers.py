@@ -11,9 +11,13 @@ import signal
 import time
 
 import pytest
-from stack_harness import MODEL, ask_streamed, busiest_scheduler, openai_client, stats_of_live_schedulers
-
-from fuseserve.redis_launcher import free_port
+from stack_harness import (
+    ask_streamed,
+    busiest_scheduler,
+    local_stack,
+    openai_client,
+    stats_of_live_schedulers,
+)
 
 NUM_REQUESTS = 16
 NEW_TOKENS = 24
@@ -22,22 +26,9 @@ PROMPTS = [f"Write a sentence about the number {i}." for i in range(NUM_REQUESTS
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    import fuseserve
-
-    with (
-        fuseserve.serve(
-            MODEL,
-            workers=2,
-            schedulers=2,
-            port=free_port(),
-            token_budget=32,
-            kv_cache_memory="64MiB",
-            device="cpu",
-            dtype="float32",  # exact text after a takeover: bf16 rounding depends on the batch a recompute lands in
-            threads=1,
-        ) as server
-    ):
-        yield server.stack, server.url
+    # fp32: exact text after a takeover (bf16 rounding depends on the batch a recompute lands in)
+    with local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32", schedulers=2) as s:
+        yield s
 
 
 ask = functools.partial(ask_streamed, max_tokens=NEW_TOKENS)
