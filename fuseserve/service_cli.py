@@ -104,8 +104,7 @@ def add_parsers(sub, engine_args) -> None:
     )
     _drain(
         s,
-        "the scheduler(s) and workers get this long to finish their sequences (the gateway "
-        "stops first, so in practice only requests already sent finish)",
+        "the scheduler(s) and workers get this many seconds to finish the sequences they run",
     )
     s.set_defaults(func=_serve)
 
