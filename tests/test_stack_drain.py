@@ -72,9 +72,11 @@ def test_sigterm_worker_finishes_its_streams_deregisters_and_exits_0(stack, base
     worker = proc_named(stack, "worker-0")
 
     def drain_worker():
+        t0 = time.monotonic()
         worker.send_signal(signal.SIGTERM)
         wait_for(lambda: getattr(worker_record(stack, "worker-0"), "draining", True), what="the drain notice")
         assert worker.wait(timeout=120) == 0
+        print(f"\nworker drain: exit 0 {time.monotonic() - t0:.2f} s after SIGTERM")
         stack.procs.remove(("worker-0", worker))  # stopped on purpose: the stack must not count it
         assert worker_record(stack, "worker-0") is None  # deregistered
 
@@ -104,6 +106,12 @@ def test_sigterm_scheduler_hands_requests_and_workers_over_at_once(stack, baseli
         victim["pending"] = len(pending)
         assert all(p["time_since_delivered"] >= messages.CLAIM_IDLE_MS for p in pending)
         assert r.get(messages.scheduler_live_key(consumer)) is None
+        t_exit = time.monotonic()
+        mine = lambda: r.xpending_range(  # noqa: E731
+            messages.REQUESTS, messages.SCHEDULER_GROUP, "-", "+", 1000, consumername=consumer
+        )
+        wait_for(lambda: not mine(), what="the other scheduler claiming the requests")
+        victim["claimed_s"] = time.monotonic() - t_exit
 
     got = disrupted(url, drain_scheduler)
     done_s = time.monotonic() - victim["t0"]
@@ -112,6 +120,7 @@ def test_sigterm_scheduler_hands_requests_and_workers_over_at_once(stack, baseli
     taken = wait_for(lambda: sum(s.get("taken_over", 0) for s in others()), what="the takeover in the stats")
     print(
         f"\nscheduler drain: exit {victim['exit_s']:.2f} s after SIGTERM ({victim['pending']} requests "
-        f"still pending under it), {taken} taken over, all done {done_s:.2f} s after SIGTERM "
+        f"still pending under it, all claimed {victim['claimed_s']:.2f} s after its exit), {taken} taken over, "
+        f"all done {done_s:.2f} s after SIGTERM "
         f"(lease TTL {messages.SCHEDULER_TTL_S} s, claim idle {messages.CLAIM_IDLE_MS / 1000:g} s)"
     )
