@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fuseserve import service_cli
 
     service_cli.add_parsers(sub, _engine_args)
+    from fuseserve import top
+
+    top.add_parser(sub)
     for command in sub.choices.values():  # also accepted after the sub-command
         command.add_argument(
             "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING (default: WARNING)"

@@ -19,11 +19,13 @@ Redis), other 5xx → ``FuseServeError``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
+from fuseserve.config import API_KEY_ENV
 from fuseserve.errors import FuseServeError, InvalidRequestError, NoWorkerError, QueueFullError
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams
@@ -88,11 +90,21 @@ def error_from_answer(
 class Client:
     """Talks to a gateway over HTTP. ``url``: its base URL, with or without the OpenAI-style ``/v1``;
     ``timeout``: seconds per request; ``model``: the served name to ask for (default: the first of
-    ``/v1/models``)."""
+    ``/v1/models``); ``api_key``: sent as ``Authorization: Bearer`` (default: ``$FUSESERVE_API_KEY``;
+    a gateway without keys ignores it). A refused key raises ``InvalidRequestError`` with
+    ``http_status`` 401."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, model: str | None = None):
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        timeout: float = 600.0,
+        model: str | None = None,
+        api_key: str | None = None,
+    ):
         self.url = url.rstrip("/").removesuffix("/v1")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        api_key = api_key or os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
         self._model = model
 
     # ------------------------------------------------------------------ public API

@@ -4,7 +4,9 @@ Starts Redis (``REDIS_URL``, a ``redis-server`` on PATH, or the one shipped in `
 scheduler(s) (``--schedulers``), ``--workers`` workers and the gateway as child processes running the same sub-commands
 the Docker Compose file runs; prints the endpoint once a worker is registered and the gateway
 answers; stops everything on Ctrl-C / SIGTERM: the children drain (``--drain-timeout``, see
-``fuseserve.drain``) and exit; a second Ctrl-C makes them stop at once. Each worker serves Prometheus metrics on a free port,
+``fuseserve.drain``) and exit; a second Ctrl-C makes them stop at once. Redis requires the password generated for it; the
+children get it (and the gateway its API key, with ``--api-key``) through their environment
+(``FUSESERVE_REDIS_PASSWORD``, ``FUSESERVE_API_KEY``), never on a command line. Each worker serves Prometheus metrics on a free port,
 named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker
 --simulate``) and the gateway still serves ``--model``'s tokenizer.
 """
@@ -17,13 +19,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 
 import httpx
 
+from fuseserve.config import API_KEY_ENV, RequestLimits
 from fuseserve.errors import FuseServeError, InvalidParameterError
 from fuseserve.messages import DRAIN_TIMEOUT_S
 from fuseserve.model_source import resolve_model
-from fuseserve.redis_launcher import launch_redis
+from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, launch_redis
 
 READY_TIMEOUT_S = 600.0
 MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before the stack gives up
@@ -44,14 +48,21 @@ class Stack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.argv: dict[str, list[str]] = {}
         self.restarts: dict[str, list[float]] = {}
+        self.env: dict[str, dict[str, str]] = {}
         self.redis = None
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``fuseserve <argv>`` as ``name``; ``env``: variables added to this process's
+        environment (secrets: they stay out of ``ps``), plus the Redis password."""
+        env = dict(env or {})
+        if self.redis is not None and self.redis.password:
+            env[REDIS_PASSWORD_ENV] = self.redis.password
         cmd = [sys.executable, "-m", "fuseserve.cli", *argv]
         # own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **env})
         self.procs.append((name, proc))
         self.argv[name] = argv
+        self.env[name] = env
         return proc
 
     def _redis_exited(self) -> bool:
@@ -90,7 +101,7 @@ class Stack:
                 flush=True,
             )
             self.procs.pop(i)
-            self.spawn(name, self.argv[name])
+            self.spawn(name, self.argv[name], self.env[name])
             return  # the list changed; the next call looks at the rest
 
     def terminate(self) -> None:
@@ -189,6 +200,22 @@ def worker_argv(
     return worker + ["--attention-backend", args.attention_backend]
 
 
+def gateway_argv(args: argparse.Namespace, redis_url: str) -> tuple[list[str], dict[str, str]]:
+    """The ``fuseserve gateway`` command line of a local stack and its secret environment (the API key)."""
+    argv = ["--log-level", args.log_level, "gateway", "--redis-url", redis_url, "--model", args.model]
+    argv += ["--host", args.host, "--port", str(args.port)]
+    if getattr(args, "api_key_file", None):
+        argv += ["--api-key-file", args.api_key_file]
+    if getattr(args, "protect_metrics", False):
+        argv.append("--protect-metrics")
+    for f in fields(RequestLimits):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            argv += [f.metadata["flag"], str(value)]
+    env = {API_KEY_ENV: args.api_key} if getattr(args, "api_key", None) else {}
+    return argv, env
+
+
 def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy."""
     resolve_model(args.model)  # convert a GGUF once here, before the children race for it
@@ -196,30 +223,17 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     stack = Stack(args.drain_timeout)
     try:
         stack.redis = launch_redis()
-        url = stack.redis.url
+        url = stack.redis.address  # the password travels in the environment (Stack.spawn)
         common = ["--log-level", args.log_level]
         overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
         num_schedulers = getattr(args, "schedulers", 1)
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
-            stack.spawn(name, [*common, "scheduler", "--redis-url", url, *_engine_argv(args), *overlap])
+            argv = ["scheduler", "--redis-url", url, "--metrics-port", "0", *_engine_argv(args), *overlap]
+            stack.spawn(name, [*common, *argv])
         for i in range(args.workers):
             stack.spawn(f"worker-{i}", worker_argv(args, url, i))
-        stack.spawn(
-            "gateway",
-            [
-                *common,
-                "gateway",
-                "--redis-url",
-                url,
-                "--model",
-                args.model,
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-            ],
-        )
+        stack.spawn("gateway", *gateway_argv(args, url))
         base = f"http://{args.host}:{args.port}"
         wait_healthy(stack, base, args.workers)
         return stack, base
@@ -295,11 +309,23 @@ def run_serve(args: argparse.Namespace) -> int:
     if getattr(args, "simulate", None):
         factors = ",".join(f"{slowdown_of(args, i):g}" for i in range(args.workers))
         simulated = f" (SIMULATED: latency preset {args.simulate}, slowdown {factors})"
+    keyed = (
+        getattr(args, "api_key", None) or getattr(args, "api_key_file", None) or os.environ.get(API_KEY_ENV)
+    )
+    auth = ", API key required" if keyed else ", no API key needed"
+    if not keyed and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"fuseserve: warning: serving on {args.host} without an API key; anyone who can reach "
+            f"port {args.port} can use it (set {API_KEY_ENV} or --api-key-file)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"fuseserve is serving {args.model} with {args.workers} worker(s){simulated} at {base}/v1 "
-        f"(OpenAI-compatible; Ctrl-C stops)",
+        f"(OpenAI-compatible{auth}; Ctrl-C stops)",
         flush=True,
     )
+    print(f"live view: fuseserve top --url {base} --redis-url {stack.redis.url}", flush=True)
     try:
         while not stop["now"]:
             stack.supervise()

@@ -21,8 +21,8 @@ Keys and streams (all JSON in a single ``data`` field):
 - ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t, "workers": {id:
   {"admitted", "running", "free_blocks", "num_blocks"}}}``, written each second (the gateway
   answers 429 when too many requests wait). With several schedulers each also writes its own
-  ``scheduler_stats_key(consumer)`` (with its ``pid``, CPU per worker-step and worker idle times);
-  ``SCHEDULER_STATS`` is then the last one written.
+  ``scheduler_stats_key(consumer)`` (with its ``pid``, CPU per worker-step, worker idle times and
+  ``metrics_host`` / ``metrics_port``, its Prometheus endpoint, port null when not served); ``SCHEDULER_STATS`` is then the last one written.
 
 Several schedulers share the consumer group:
 

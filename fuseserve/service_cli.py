@@ -6,13 +6,53 @@ The Docker Compose file runs exactly these commands (``docker-compose.yml``).
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
+from fuseserve.config import API_KEY_ENV, RequestLimits
 from fuseserve.messages import DRAIN_TIMEOUT_S
+from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, check_redis_auth, with_password
 from fuseserve.worker.latency_model import PRESETS
 
 
 def _redis(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", required=True, help="redis://host:port of the stack's Redis")
+    p.add_argument(
+        "--redis-url",
+        required=True,
+        help="redis://[:password@]host:port of the stack's Redis (prefer --redis-password or "
+        "$FUSESERVE_REDIS_PASSWORD for the password: argv is visible to other users)",
+    )
+    p.add_argument(
+        "--redis-password",
+        default=None,
+        help=f"Redis AUTH password (default: ${REDIS_PASSWORD_ENV}, else the one in --redis-url)",
+    )
+
+
+def _guards(p: argparse.ArgumentParser) -> None:
+    """The gateway's API-key and per-request-limit options (README "Security")."""
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: no key needed)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="accepted keys, one per line ('sha256:<hex>' lines are stored hashes); with --api-key",
+    )
+    p.add_argument(
+        "--protect-metrics", action="store_true", help="/metrics needs an API key too (/health never does)"
+    )
+    for f in fields(RequestLimits):
+        default = "none: the context length" if f.default is None else f.default
+        p.add_argument(
+            f.metadata["flag"],
+            dest=f.name,
+            type=int,
+            default=None,
+            help=f"{f.metadata['help']}; refused with {f.metadata['status']} (default: {default})",
+        )
 
 
 def _drain(p: argparse.ArgumentParser, what: str) -> None:
@@ -41,22 +81,30 @@ def _serve(a):
     return run_serve(a)
 
 
+def _authenticated(a: argparse.Namespace) -> argparse.Namespace:
+    """``a.redis_url`` with the password of ``--redis-password`` / ``$FUSESERVE_REDIS_PASSWORD`` folded
+    in; raises ``RedisAuthError`` (one line, no traceback from ``fuseserve.cli``) when Redis refuses it."""
+    a.redis_url = with_password(a.redis_url, a.redis_password)
+    check_redis_auth(a.redis_url)
+    return a
+
+
 def _gateway(a):
     from fuseserve.gateway.app import run_gateway
 
-    return run_gateway(a)
+    return run_gateway(_authenticated(a))
 
 
 def _scheduler(a):
     from fuseserve.scheduler.service import run_scheduler
 
-    return run_scheduler(a)
+    return run_scheduler(_authenticated(a))
 
 
 def _worker(a):
     from fuseserve.worker.server import run_worker
 
-    return run_worker(a)
+    return run_worker(_authenticated(a))
 
 
 def add_parsers(sub, engine_args) -> None:
@@ -106,6 +154,7 @@ def add_parsers(sub, engine_args) -> None:
         s,
         "the scheduler(s) and workers get this many seconds to finish the sequences they run",
     )
+    _guards(s)
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -116,9 +165,7 @@ def add_parsers(sub, engine_args) -> None:
     g.add_argument("--host", default="127.0.0.1", help="bind host (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="bind port (default: 8000)")
     g.add_argument("--max-queue", type=int, default=1024, help="waiting sequences before 429 (default: 1024)")
-    g.add_argument(
-        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
-    )
+    _guards(g)
     g.add_argument(
         "--metrics-port", type=int, default=None, help="unused: the gateway serves /metrics itself"
     )
@@ -132,7 +179,9 @@ def add_parsers(sub, engine_args) -> None:
     c.add_argument("--max-num-seqs", type=int, default=256, help="sequences per pass (default: 256)")
     c.add_argument("--policy", default="splitfuse", choices=["splitfuse", "prefill_first", "whole_prompt"])
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must match the workers)")
-    c.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    c.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: a free one)"
+    )
     c.add_argument(
         "--no-overlap",
         dest="overlap",

@@ -37,10 +37,11 @@ def local_stack(
 
 
 def openai_client(base: str, **kwargs):
-    """The official ``openai`` client pointed at the stack."""
+    """The official ``openai`` client pointed at the stack (``api_key`` for a stack that needs one)."""
     import openai
 
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, **kwargs)
+    kwargs.setdefault("api_key", "unused")
+    return openai.OpenAI(base_url=f"{base}/v1", timeout=300, **kwargs)
 
 
 def ask_streamed(client, prompt: str, max_tokens: int, progress: list | None = None) -> tuple[str, int]:

@@ -42,9 +42,7 @@ def _reset_fake(fake):
 
 @pytest.fixture(scope="module")
 def client(fake, smollm2_source):
-    url = fake.r.connection_pool.connection_kwargs
-    redis_url = f"redis://{url['host']}:{url['port']}/0"
-    settings = GatewaySettings(redis_url, source=smollm2_source, max_queue=MAX_QUEUE, admission_cache_s=0)
+    settings = GatewaySettings(fake.url, source=smollm2_source, max_queue=MAX_QUEUE, admission_cache_s=0)
     served = ServedApp(create_app(settings))
     with fuseserve.Client(served.url, timeout=20) as c:
         yield c

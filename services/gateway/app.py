@@ -4,8 +4,10 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
 ``"stream": true``), ``GET /v1/models``, ``GET /health`` (503 without a live scheduler or worker, or without Redis),
-``GET /metrics`` (Prometheus). A request is validated, tokenized and checked against the context
-and the scheduler's queue *before* anything is sent; then each sequence gets a ``seq_id`` (INCR),
+``GET /metrics`` (Prometheus). With API keys configured every path but ``/health`` (and ``/metrics``
+unless protected) needs one (``auth.py``); ``limits.py`` bounds what one request may cost. A
+request is validated, tokenized and checked against the context and the scheduler's queue *before*
+anything is sent; then each sequence gets a ``seq_id`` (INCR),
 is XADDed to ``REQUESTS``, and its token events come back on this gateway's response stream.
 
 Redis connections come from a blocking pool: under a burst a request waits up to
@@ -21,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -31,9 +33,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.requests import ClientDisconnect
 
+from fuseserve.config import RequestLimits
 from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.errors import FuseServeError, InvalidRequestError
 from fuseserve.gateway.admission import Admission
+from fuseserve.gateway.auth import ApiKeys
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
     RequestTooLargeError,
@@ -42,7 +46,8 @@ from fuseserve.gateway.errors import (
     validation_error,
 )
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
-from fuseserve.gateway.metrics import GatewayMetrics
+from fuseserve.gateway.limits import Limiter, install_guards
+from fuseserve.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from fuseserve.gateway.prompts import PromptEncoder
 from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from fuseserve.gateway.render import Renderer, sse
@@ -53,7 +58,6 @@ from fuseserve.model_source import ModelSource, resolve_model
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 @dataclass
@@ -63,7 +67,9 @@ class GatewaySettings:
     redis_url: the Redis of the stack. model: alias, directory or .gguf (only its tokenizer and
     config are loaded). served_model_name: the name clients send as ``model`` (default: the
     model's name). max_queue: answer 429 while the scheduler has this many sequences waiting.
-    max_body_bytes: larger request bodies get 413. max_model_len: context length in tokens
+    limits: what one request may cost (``fuseserve.config.RequestLimits``; ``gateway/limits.py``).
+    api_keys: accepted keys (None: no key needed; ``gateway/auth.py``). protect_metrics: ``/metrics``
+    needs a key too. max_model_len: context length in tokens
     (default: ``config.max_position_embeddings``). admission_cache_s: seconds the worker / queue
     snapshot is reused. disconnect_poll_s: seconds between client-disconnect checks while waiting.
     redis_max_connections: pooled Redis connections shared by requests. redis_pool_timeout_s:
@@ -76,7 +82,9 @@ class GatewaySettings:
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None
     max_queue: int = 1024
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    api_keys: ApiKeys | None = None
+    protect_metrics: bool = False
     max_model_len: int | None = None
     cache_dir: str | None = None
     admission_cache_s: float = 0.25
@@ -102,8 +110,9 @@ class Gateway:
         vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
         self.vocab_size = vocab_size
         self.encoder = PromptEncoder(self.tokenizer, vocab_size, self.max_model_len)
+        self.limiter = Limiter(settings.limits)
         self.gateway_id = uuid.uuid4().hex
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.model_name)
         self.redis: aioredis.Redis | None = None
         self.reader: aioredis.Redis | None = None  # the router's own client
         self.router: ResponseRouter | None = None
@@ -145,10 +154,10 @@ class Gateway:
 
     # ------------------------------------------------------------------ request handling
     async def read_json(self, request: Request) -> dict:
-        """The body as a JSON object; 413 past ``max_body_bytes`` (checked before parsing), else 400
-        (not JSON, nested too deeply, not an object). Raises ``ClientDisconnect`` when the client
+        """The body as a JSON object; 413 past ``limits.max_body_bytes`` (checked before parsing), else
+        400 (not JSON, nested too deeply, not an object). Raises ``ClientDisconnect`` when the client
         goes away while sending it."""
-        limit = self.settings.max_body_bytes
+        limit = self.settings.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
             try:
@@ -174,6 +183,7 @@ class Gateway:
         return data
 
     def parse(self, model: type, data: dict):
+        self.limiter.check_body(data)
         try:
             req = model.model_validate(data)
         except ValidationError as e:
@@ -190,6 +200,9 @@ class Gateway:
         prompts = (
             [self.encoder.chat_prompt(req.messages)] if chat else self.encoder.completion_prompts(req.prompt)
         )
+        lens = [len(ids) for ids in prompts]
+        self.limiter.check_prompts(lens, "messages" if chat else "prompt")
+        self.limiter.default_max_tokens(req, self.max_model_len - max(lens))
         plans = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
@@ -207,7 +220,6 @@ class Gateway:
         try:
             data = await self.read_json(request)
         except ClientDisconnect:  # gone while uploading: nothing to answer, nothing to log loudly
-            self.metrics.count_abort()
             log.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
             return Response(status_code=499)
         req = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
@@ -233,17 +245,14 @@ class Gateway:
         try:
             await gen.run()
         except ClientDisconnected:
-            self.metrics.count_abort()
             return Response(status_code=499)
         except BaseException:
             gen.abort()  # cancelled (server shutdown) or failed: free the sequences
             raise
-        self.metrics.count_status(200)
-        self.metrics.latency.observe(time.monotonic() - arrival)
+        self.metrics.e2e.observe(time.monotonic() - arrival)
         return JSONResponse(renderer.response(seqs))
 
     async def _stream(self, gen: Generation, renderer: Renderer, include_usage: bool):
-        status = "abort"
         try:
             first = renderer.role_chunk(gen.seqs, include_usage)
             if first is not None:
@@ -254,42 +263,29 @@ class Gateway:
                     yield sse(chunk)
             if gen.error is not None:
                 exc = scheduler_error(gen.error)
-                status = "error" if exc.http_status >= 500 else "client_error"
                 body = error_for(exc)
                 body["error"]["status"] = exc.http_status
                 yield sse(body)
             else:
                 if include_usage:
                     yield sse(renderer.usage_chunk(gen.seqs))
-                status = "ok"
+                self.metrics.e2e.observe(time.monotonic() - gen.arrival)
             yield sse("[DONE]")
         except ClientDisconnected:
             pass
         finally:
             if not gen.finished:
                 gen.abort()
-                status = "abort"
-            if status == "abort":
-                self.metrics.count_abort()
-            else:
-                self.metrics.requests.labels(status=status).inc()
-                if status == "ok":
-                    self.metrics.latency.observe(time.monotonic() - gen.arrival)
 
     async def health(self) -> JSONResponse:
         """200 ``{"status": "ok", "workers": n}``; 503 with status "no_scheduler" or "no_worker";
         503 OpenAI error JSON when Redis cannot be reached (the app's handler)."""
         snap = await self.admission.snapshot(fresh=True)
-        self._set_queue_depth(snap.waiting)
         if not snap.scheduler_alive:
             return JSONResponse({"status": "no_scheduler", "workers": snap.num_workers}, status_code=503)
         if snap.num_workers == 0:
             return JSONResponse({"status": "no_worker", "workers": 0}, status_code=503)
         return JSONResponse({"status": "ok", "workers": snap.num_workers})
-
-    def _set_queue_depth(self, waiting: int | None) -> None:
-        if waiting is not None:
-            self.metrics.queue_depth.set(waiting)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -309,7 +305,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="fuseserve gateway", lifespan=lifespan)
     app.state.gateway = gw
-    install_handlers(app, gw.metrics.count_status)
+    install_handlers(app)
+    install_guards(app, settings.limits, settings.api_keys, settings.protect_metrics)
+    app.add_middleware(MetricsMiddleware, metrics=gw.metrics)  # added last: outermost, sees every status
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -336,8 +334,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        with contextlib.suppress(Exception):  # metrics must answer even when Redis does not
-            gw._set_queue_depth((await gw.admission.snapshot()).waiting)
         return Response(gw.metrics.exposition(), media_type=gw.metrics.content_type)
 
     return app
@@ -350,9 +346,19 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         model=getattr(args, "model", None) or DEFAULT_MODEL,
         served_model_name=getattr(args, "served_model_name", None),
         max_queue=int(getattr(args, "max_queue", None) or 1024),
-        max_body_bytes=int(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES),
         max_model_len=getattr(args, "max_model_len", None),
         cache_dir=getattr(args, "cache_dir", None),
+        limits=RequestLimits(
+            **{
+                f.name: getattr(args, f.name)
+                for f in fields(RequestLimits)
+                if getattr(args, f.name, None) is not None
+            }
+        ),
+        api_keys=ApiKeys.load(
+            [getattr(args, "api_key", None) or ""], key_file=getattr(args, "api_key_file", None)
+        ),
+        protect_metrics=bool(getattr(args, "protect_metrics", False)),
     )
 
 
@@ -360,8 +366,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     """``fuseserve gateway``: serve the app with uvicorn until interrupted; returns the exit code.
 
     Reads ``args.redis_url``, ``model``, ``host`` (default 127.0.0.1), ``port`` (8000), ``max_queue``,
-    ``max_body_bytes``, ``log_level`` (info), and optionally ``served_model_name``,
-    ``max_model_len``, ``cache_dir``.
+    ``log_level`` (info), and optionally ``served_model_name``, ``max_model_len``, ``cache_dir``,
+    ``api_key``, ``api_key_file``, ``protect_metrics`` and the ``RequestLimits`` fields.
     """
     import uvicorn
 

@@ -153,20 +153,22 @@ class Generation:
             )
             for s in self.seqs
         ]
-        for s in self.seqs:
-            self.metrics.prompt_tokens.inc(len(s.prompt_ids))
         try:
             await self.router.submit(msgs)
         except BaseException:
             for s in self.seqs:
                 self.router.unregister(s.seq_id)
             raise
+        self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in self.seqs))
 
     def abort(self, reason: str = "abort") -> None:
-        """Abort every unfinished sequence (the scheduler frees them); idempotent."""
+        """Abort every unfinished sequence (the scheduler frees them); idempotent. Each counts as
+        finished with "abort", or "error" when another sequence of the request failed."""
         live = [s for s in self.seqs if not s.finished]
+        outcome = "abort" if self.error is None else "error"
         for s in live:
             s.finish_reason = "abort"
+            self.metrics.count_finished(outcome)
         self.router.abort([s.seq_id for s in live], reason)
 
     async def batches(self) -> AsyncIterator[dict[int, Delta]]:
@@ -213,14 +215,15 @@ class Generation:
                 continue
             delta = deltas.setdefault(seq.choice, Delta())
             if seq.apply(ev, delta):
-                self.metrics.generated_tokens.inc()
+                self.metrics.generation_tokens.inc()
                 if self.first_token_at is None:
                     self.first_token_at = now
                     self.metrics.ttft.observe(now - self.arrival)
                 if seq.last_token_at is not None:
                     self.metrics.itl.observe(now - seq.last_token_at)
                 seq.last_token_at = now
-            if seq.finished:
+            if seq.finished:  # just now: finished sequences were skipped above
+                self.metrics.count_finished(seq.finish_reason)
                 if seq.finish_reason == "stop" and seq.detok.stopped:
                     self.router.abort([seq.seq_id], "stop")
                 else:

@@ -23,6 +23,7 @@ import queue
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -142,6 +143,8 @@ class EngineCore:
         self._dispatch_all = False
         self.last_plans: dict[str, StepPlan] = {}  # plans sent by the last ``step`` / ``poll``
         self.num_completions = 0  # worker-steps applied by the last ``poll``
+        # called with each batch of plans and the seconds ``schedule_workers`` took to build them
+        self.on_plans: Callable[[dict[str, StepPlan], float], None] | None = None
 
     # ----- registry -----
     @property
@@ -329,7 +332,10 @@ class EngineCore:
             ]
             if not ready:
                 return
+            started = time.perf_counter()
             plans = self.scheduler.schedule_workers(ready)
+            if self.on_plans is not None and plans:
+                self.on_plans(plans, time.perf_counter() - started)
             for name, plan in plans.items():
                 self.last_plans[name] = plan
                 self._lanes[name].submit(plan)

@@ -40,6 +40,7 @@ from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler import drain
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import GrpcWorker
+from fuseserve.scheduler.metrics import SchedulerMetrics
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
 
@@ -73,33 +74,6 @@ class _Owner:
     seq: Sequence
 
 
-class SchedulerMetrics:
-    def __init__(self, port: int | None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
-        self.running = Gauge("fuseserve_running_seqs", "sequences running", registry=self.registry)
-        self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
-        self.preemptions = Counter(
-            "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
-        )
-        self.cpu_per_step = Histogram(
-            "fuseserve_scheduler_cpu_seconds_per_worker_step",
-            "scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
-            registry=self.registry,
-            buckets=(2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05),
-        )
-        self.worker_idle = Histogram(
-            "fuseserve_scheduler_worker_idle_seconds",
-            "seconds a worker sat idle before a pass, as the workers report it",
-            registry=self.registry,
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
-        )
-        if port:
-            start_http_server(port, registry=self.registry)
-
-
 def _error_type(status: int) -> str:
     return "service_unavailable" if status == 503 else "server_error"
 
@@ -126,6 +100,7 @@ class SchedulerService:
         self._last_claim = 0.0
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
+        self.metrics.watch(self.core)
         self._last_discovery = 0.0
         self._last_stats = 0.0
         self._last_trim = 0.0
@@ -167,7 +142,7 @@ class SchedulerService:
             if entries:
                 log.warning("took over %d requests of a dead scheduler", len(entries))
                 self.num_taken_over += len(entries)
-            self._add_requests(entries)
+            self._add_requests(entries, taken_over=True)
             if start == "0-0" or not entries:
                 break
 
@@ -219,6 +194,7 @@ class SchedulerService:
                 self._release(keys=[lease], args=[self.consumer])
                 continue
             self._leased.add(wid)
+            self.metrics.set_model(rec.model)
             self.scheduler.eos_token_ids = set(rec.eos_token_ids)
             self.core.add_worker(
                 wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
@@ -242,6 +218,7 @@ class SchedulerService:
         """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
         handle = self.core.workers.get(wid)
         self.core.remove_worker(wid)
+        self.metrics.drop_worker(wid)
         if handle is not None:
             handle.close()
         if wid in self._leased:
@@ -249,7 +226,7 @@ class SchedulerService:
             self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
 
     # ----- requests -----
-    def _add_requests(self, entries) -> None:
+    def _add_requests(self, entries, taken_over: bool = False) -> None:
         errors: dict[str, list[messages.TokenMessage]] = defaultdict(list)
         for entry_id, fields in entries:
             if not fields:  # deleted while pending
@@ -273,6 +250,8 @@ class SchedulerService:
                 self._ack(entry_id)
                 continue
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
+            if not taken_over:
+                self.metrics.note_arrival(msg.seq_id)
         self._publish(errors)
 
     def room(self) -> int:
@@ -348,6 +327,7 @@ class SchedulerService:
             )
             if ev.finish_reason is not None:
                 finished.append(ev.seq_id)
+                self.metrics.forget(ev.seq_id)
         done = [self.owners.pop(sid).entry_id for sid in finished if sid in self.owners]
         self._publish(by_gateway, done)
 
@@ -371,6 +351,7 @@ class SchedulerService:
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
+        self.metrics.forget(seq_id)
         if owner is not None:
             self._ack(owner.entry_id)
 
@@ -446,6 +427,8 @@ class SchedulerService:
             "scheduler": self.consumer,
             "pid": os.getpid(),
             "taken_over": self.num_taken_over,
+            "metrics_port": self.metrics.port,
+            "metrics_host": socket.gethostname(),
         }
         pipe = self.r.pipeline(transaction=False)
         pipe.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)

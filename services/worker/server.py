@@ -32,6 +32,7 @@ from fuseserve.drain import DrainSignal
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
+from fuseserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         time.sleep(0)  # hand the GIL to a plan queued behind this one: its pass starts now
         result.idle_seconds = idle
         if self.metrics is not None:
-            self.metrics.observe_step(plan.num_tokens, len(result.tokens), result.forward_seconds, free, idle)
+            self.metrics.observe_step(plan.num_tokens, len(result.tokens), result.forward_seconds)
         return convert.step_result_to_proto(result, free)
 
     def _end_step(self, step_id: int) -> None:
@@ -128,59 +129,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.HealthResponse(
             ok=True, num_free_blocks=self.runner.num_free_blocks, num_running_seqs=len(self.runner.seqs)
         )
-
-
-class WorkerMetrics:
-    """Prometheus metrics of one worker (served on ``--metrics-port``; 0 picks a free port, ``port``).
-
-    Busy fraction over a window = increase of ``fuseserve_step_seconds_sum`` (seconds in steps) ÷
-    the window's wall seconds; ``fuseserve_step_seconds_count`` counts steps and
-    ``fuseserve_sampled_tokens_total`` the tokens this worker generated.
-    """
-
-    def __init__(self, worker_id: str, port: int):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.free_blocks = Gauge(
-            "fuseserve_kv_free_blocks", "free KV-cache blocks", ["worker"], registry=self.registry
-        ).labels(worker_id)
-        self.step_tokens = Histogram(
-            "fuseserve_step_tokens",
-            "tokens per forward pass",
-            registry=self.registry,
-            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-        )
-        self.step_seconds = Histogram(
-            "fuseserve_step_seconds", "seconds per step on the worker", registry=self.registry
-        )
-        self.sampled_tokens = Counter(
-            "fuseserve_sampled_tokens", "tokens sampled (generated) by this worker", registry=self.registry
-        )
-        self.idle_seconds = Histogram(
-            "fuseserve_worker_idle_seconds",
-            "seconds between the end of a pass and the start of the next",
-            registry=self.registry,
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
-        )
-        self.busy_seconds = Counter(
-            "fuseserve_worker_busy_seconds_total", "seconds spent in passes", registry=self.registry
-        )
-        server, _ = start_http_server(port, registry=self.registry)
-        self.port: int = server.server_port
-
-    def observe_step(
-        self, tokens: int, sampled: int, seconds: float, free_blocks: int, idle: float | None = None
-    ) -> None:
-        """Record one pass: ``tokens`` in it, ``sampled`` tokens it produced, its ``seconds``,
-        ``free_blocks`` after it, and the ``idle`` seconds before it (None: not measured)."""
-        self.step_tokens.observe(tokens)
-        self.sampled_tokens.inc(sampled)
-        self.step_seconds.observe(seconds)
-        self.busy_seconds.inc(seconds)
-        self.free_blocks.set(free_blocks)
-        if idle is not None:
-            self.idle_seconds.observe(idle)
 
 
 def model_runner(args: argparse.Namespace):
@@ -265,7 +213,7 @@ def run_worker(args: argparse.Namespace) -> int:
     simulate = getattr(args, "simulate", None)
     runner, model_name, budget = simulated_runner(args) if simulate else model_runner(args)
     metrics_port = getattr(args, "metrics_port", None)
-    metrics = WorkerMetrics(worker_id, metrics_port) if metrics_port is not None else None
+    metrics = WorkerMetrics(worker_id, model_name, metrics_port, runner) if metrics_port is not None else None
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=convert.GRPC_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, worker_id, model_name, metrics), server)
