@@ -9,6 +9,7 @@ import argparse
 from dataclasses import fields
 
 from fuseserve.config import API_KEY_ENV, RequestLimits
+from fuseserve.messages import DRAIN_TIMEOUT_S
 from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, check_redis_auth, with_password
 from fuseserve.worker.latency_model import PRESETS
 
@@ -52,6 +53,16 @@ def _guards(p: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{f.metadata['help']}; refused with {f.metadata['status']} (default: {default})",
         )
+
+
+def _drain(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=DRAIN_TIMEOUT_S,
+        help=f"on SIGTERM / Ctrl-C, {what}; a second signal stops at once (default: {DRAIN_TIMEOUT_S:g})",
+    )
 
 
 def _simulate(p: argparse.ArgumentParser, what: str) -> None:
@@ -161,6 +172,10 @@ def add_parsers(sub, engine_args) -> None:
         action="store_false",
         help="the scheduler sends a worker its next plan only after its current result (default: overlap)",
     )
+    _drain(
+        s,
+        "the scheduler(s) and workers get this many seconds to finish the sequences they run",
+    )
     _guards(s)
     s.set_defaults(func=_serve)
 
@@ -196,6 +211,11 @@ def add_parsers(sub, engine_args) -> None:
         action="store_false",
         help="send a worker its next plan only after its current result (default: overlap)",
     )
+    _drain(
+        c,
+        "read no new requests and finish the unfinished ones within this many seconds, or hand them "
+        "to another live scheduler at once",
+    )
     c.set_defaults(func=_scheduler)
 
     w = sub.add_parser("worker", help="a model worker (gRPC), registers itself in Redis")
@@ -229,5 +249,10 @@ def add_parsers(sub, engine_args) -> None:
         type=float,
         default=1.0,
         help="multiply every simulated step's latency by F > 0 (default: 1)",
+    )
+    _drain(
+        w,
+        "take no new sequences and finish the running ones within this many seconds; those left "
+        "then recompute on other workers",
     )
     w.set_defaults(func=_worker)

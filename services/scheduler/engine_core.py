@@ -182,6 +182,20 @@ class EngineCore:
         self._dispatch_all = True
         return self.scheduler.remove_worker(name)
 
+    def drain_worker(self, name: str) -> bool:
+        """Place no new sequence on ``name`` (it is stopping); its running sequences go on to the end.
+
+        Sequences it loses later (preempted, or the worker gone at its deadline: ``remove_worker``)
+        recompute on other workers. Returns True when the worker was not draining yet; False for an
+        unknown worker or one already draining.
+        """
+        slot = self.scheduler.slots.get(name)
+        if slot is None or slot.draining:
+            return False
+        slot.draining = True
+        log.info("worker %s is draining: %d sequences finish there, none is added", name, len(slot.running))
+        return True
+
     # ----- requests -----
     def add_request(self, seq: Sequence) -> None:
         """Queue a sequence. Raises ``ContextLengthExceededError`` / ``InvalidRequestError``."""

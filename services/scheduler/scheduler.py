@@ -104,6 +104,7 @@ class WorkerSlot:
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     latency: PassLatency = field(default_factory=PassLatency)
     poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
+    draining: bool = False  # the worker is stopping: its running sequences finish, no new ones come
 
 
 class Scheduler:
@@ -363,9 +364,13 @@ class Scheduler:
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
         """Rule 2: blocks for the whole remaining prompt plus the watermark (plus ``extra_blocks``),
-        and a free sequence slot."""
-        return len(slot.running) < self.config.max_num_seqs and slot.account.can_reserve(
-            seq.seq_id, seq.num_tokens, self.config.watermark_blocks + extra_blocks
+        and a free sequence slot, on a worker that is not draining."""
+        return (
+            not slot.draining
+            and len(slot.running) < self.config.max_num_seqs
+            and slot.account.can_reserve(
+                seq.seq_id, seq.num_tokens, self.config.watermark_blocks + extra_blocks
+            )
         )
 
     def admit(self, slot: WorkerSlot, seq: Sequence) -> None:

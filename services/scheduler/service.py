@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
 import threading
 import time
@@ -35,8 +34,10 @@ import redis
 
 from fuseserve import messages
 from fuseserve.config import EngineConfig
+from fuseserve.drain import DrainSignal
 from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler import drain
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import GrpcWorker
 from fuseserve.scheduler.metrics import SchedulerMetrics
@@ -106,6 +107,8 @@ class SchedulerService:
         self._no_worker_since: float | None = None
         self._control_id = "0-0"
         self._cpu0 = time.process_time()
+        self.accepting = True  # reads new requests (False while draining: ``scheduler.drain``)
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -171,11 +174,13 @@ class SchedulerService:
                     "worker %s is gone%s; resuming its sequences elsewhere", wid, " (lease lost)" * lost
                 )
                 self._drop_worker(wid)
+            elif records[wid].draining:
+                self.core.drain_worker(wid)  # no new sequences there; its running ones finish
         self._lost_leases.clear()
         live = sum(1 for _ in self.r.scan_iter(match=messages.scheduler_live_key("*"), count=100))
         share = math.ceil(len(records) / max(1, live))
         for wid, rec in records.items():
-            if wid in self.core.workers or len(self.core.workers) >= share:
+            if wid in self.core.workers or len(self.core.workers) >= share or rec.draining:
                 continue
             lease = messages.worker_lease_key(wid)
             if not self.r.set(lease, self.consumer, nx=True, px=messages.SCHEDULER_TTL_S * 1000):
@@ -251,9 +256,11 @@ class SchedulerService:
 
     def room(self) -> int:
         """New sequences this scheduler's workers could take now (pull-based reading): free
-        sequence slots of its workers, less the sequences already waiting."""
+        sequence slots of its workers, less the sequences already waiting; 0 while draining."""
+        if not self.accepting:
+            return 0
         cap = self.config.max_num_seqs
-        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values())
+        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values() if not s.draining)
         return free - len(self.scheduler.waiting)
 
     def _read_inputs(self, block_ms: int | None) -> None:
@@ -466,18 +473,27 @@ class SchedulerService:
             stop.wait(messages.HEARTBEAT_S)
 
     def close(self) -> None:
-        """Give up this scheduler's worker leases and liveness key (a clean stop: others take over at once)."""
-        for wid in list(self._leased):
-            self._drop_worker(wid)
+        """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished
+        requests back (``drain.hand_back``) and release its worker leases, so others take over at once."""
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         try:
             self.r.delete(messages.scheduler_live_key(self.consumer))
-        except redis.RedisError:
-            pass
+            if self.owners:
+                log.info("handed %d unfinished requests back", drain.hand_back(self))
+        except redis.RedisError as e:
+            log.warning("could not hand requests back (%s); they are claimed once idle", e)
+        for wid in list(self._leased):
+            try:
+                self._drop_worker(wid)
+            except redis.RedisError:
+                pass  # the lease expires
         self.core.close()
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""
-        threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True)
+        self._heartbeat.start()
         ready = False
         while not stop.is_set():
             try:
@@ -496,7 +512,8 @@ class SchedulerService:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT."""
+    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain
+    (``fuseserve.scheduler.drain``) and exit."""
     config = EngineConfig(
         token_budget=args.token_budget,
         max_num_seqs=args.max_num_seqs,
@@ -508,8 +525,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
+    threading.Thread(target=drain.watch, args=(service, signals, stop), name="drain", daemon=True).start()
     print("fuseserve scheduler ready", flush=True)
     service.run(stop)
     service.close()
