@@ -178,8 +178,15 @@ def test_a_restarted_child_connects_with_the_password_again(server):
     stack.supervise()  # what `fuseserve serve` runs every 0.5 s
     new = dict(stack.procs)["worker-1"]
     assert new.pid != old.pid
-    with open(f"/proc/{new.pid}/environ", "rb") as f:
-        assert f"{REDIS_PASSWORD_ENV}={stack.redis.password}".encode() in f.read().split(b"\0")
+    environ = b""
+    for _ in range(40):  # /proc/PID/environ reads empty for a moment right after the exec
+        assert new.poll() is None, f"the restarted worker exited with {new.returncode}"
+        with open(f"/proc/{new.pid}/environ", "rb") as f:
+            environ = f.read()
+        if environ:
+            break
+        time.sleep(0.05)
+    assert f"{REDIS_PASSWORD_ENV}={stack.redis.password}".encode() in environ.split(b"\0")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # registered again (port 0: a new address) through an AUTHed client
         raw = r.get(messages.worker_key("worker-1"))
