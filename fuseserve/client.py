@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from fuseserve.errors import FuseServeError, InvalidRequestError, NoWorkerError, QueueFullError
+from fuseserve.frontend.params import body_from_params
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import TokenLogprob
@@ -37,24 +38,8 @@ def _is_token_ids(value: object) -> bool:
 
 
 def _body(params: SamplingParams, chat: bool) -> dict[str, Any]:
-    """OpenAI request fields for validated ``params``."""
-    body: dict[str, Any] = {
-        "max_tokens": params.max_new_tokens,
-        "min_tokens": params.min_new_tokens,
-        "temperature": params.temperature,
-        "top_k": params.top_k,
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "seed": params.seed,
-        "stop": list(params.stop),
-        "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": params.ignore_eos,
-        "include_stop_str_in_output": params.include_stop_str_in_output,
-        "return_token_ids": True,
-    }
+    """OpenAI request fields for validated ``params`` (``fuseserve.frontend.params``' one table)."""
+    body: dict[str, Any] = {**body_from_params(params), "return_token_ids": True}
     if chat:
         body["logprobs"] = params.logprobs is not None
         body["top_logprobs"] = params.logprobs if params.logprobs is not None else None

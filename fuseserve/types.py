@@ -7,6 +7,7 @@ token id. ``fuseserve/proto/worker.proto`` mirrors these types field for field.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from fuseserve.sampling_params import SamplingParams
@@ -85,3 +86,31 @@ class StepResult:
     tokens: list[SampledToken] = field(default_factory=list)
     forward_seconds: float = 0.0
     idle_seconds: float | None = None
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended (the OpenAI ``finish_reason`` values fuseserve produces)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context window reached
+    ABORT = "abort"  # the client went away or asked to cancel
+
+
+@dataclass
+class TokenEvent:
+    """A token produced for a sequence by the engine core; ``finish_reason`` set on its last event.
+
+    hidden: the token ended the sequence as EOS / a stop token id and is not part of the text.
+    error: why the sequence failed (with ``finish_reason`` ABORT), e.g. the worker rejected its step;
+    error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
+    index: the token's position in the sequence's output (-1 without a token), fixed when the token is
+    applied: one poll may apply several results of a sequence, so it cannot be read off later.
+    """
+
+    seq_id: int
+    token: SampledToken | None
+    finish_reason: FinishReason | None = None
+    hidden: bool = False
+    error: str | None = None
+    error_status: int = 500
+    index: int = -1

@@ -8,44 +8,39 @@ worker turns it back with :func:`step_plan_from_proto`, runs it, and answers wit
 
 from __future__ import annotations
 
+import dataclasses
+
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 
-_PARAM_SCALARS = (
-    "max_new_tokens",
-    "min_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "ignore_eos",
-    "include_stop_str_in_output",
-)
-"""SamplingParams fields that are plain proto3 scalars (always present on the wire)."""
-
-_PARAM_OPTIONALS = ("seed", "logprobs")
-"""SamplingParams fields where None matters: proto3 ``optional``, unset on the wire means None."""
-
-_PARAM_LISTS = ("stop", "stop_token_ids")
-"""SamplingParams fields that are repeated on the wire (lists in Python)."""
-
-
 # ---------------------------------------------------------------------------------- SamplingParams
+def _param_fields() -> list[tuple[str, object]]:
+    """``(name, proto field descriptor)`` of every ``SamplingParams`` field: the proto message mirrors
+    the dataclass by name, so a field added to both travels without an edit here."""
+    by_name = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    missing = [f.name for f in dataclasses.fields(SamplingParams) if f.name not in by_name]
+    if missing:
+        raise TypeError(f"proto SamplingParams lacks field(s) {missing}; add them to worker.proto")
+    return [(f.name, by_name[f.name]) for f in dataclasses.fields(SamplingParams)]
+
+
+def _is_map(fd) -> bool:
+    return fd.message_type is not None and fd.message_type.GetOptions().map_entry
+
+
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    """SamplingParams → ``fuseserve.worker.v1.SamplingParams`` (None optionals stay unset)."""
+    """SamplingParams → ``fuseserve.worker.v1.SamplingParams``: repeated and map fields from lists
+    and dicts, None left unset on ``optional`` fields, scalars as they are."""
     msg = pb.SamplingParams()
-    for name in _PARAM_SCALARS:
-        setattr(msg, name, getattr(params, name))
-    for name in _PARAM_OPTIONALS:
+    for name, fd in _param_fields():
         value = getattr(params, name)
-        if value is not None:
+        if _is_map(fd):
+            getattr(msg, name).update(value or {})
+        elif fd.is_repeated:
+            getattr(msg, name).extend(value)
+        elif value is not None:
             setattr(msg, name, value)
-    for name in _PARAM_LISTS:
-        getattr(msg, name).extend(getattr(params, name))
     return msg
 
 
@@ -54,15 +49,20 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_m
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """``fuseserve.worker.v1.SamplingParams`` → SamplingParams (unset optionals become None).
+    """``fuseserve.worker.v1.SamplingParams`` → SamplingParams (unset ``optional`` fields become None).
 
     Built with ``SamplingParams(**fields)``; not re-validated (the gateway validated it already).
     """
-    fields: dict[str, object] = {name: getattr(msg, name) for name in _PARAM_SCALARS}
-    for name in _PARAM_OPTIONALS:
-        fields[name] = getattr(msg, name) if msg.HasField(name) else None
-    for name in _PARAM_LISTS:
-        fields[name] = list(getattr(msg, name))
+    fields: dict[str, object] = {}
+    for name, fd in _param_fields():
+        if _is_map(fd):
+            fields[name] = dict(getattr(msg, name))
+        elif fd.is_repeated:
+            fields[name] = list(getattr(msg, name))
+        elif fd.has_presence:
+            fields[name] = getattr(msg, name) if msg.HasField(name) else None
+        else:
+            fields[name] = getattr(msg, name)
     return SamplingParams(**fields)
 
 

@@ -31,8 +31,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.requests import ClientDisconnect
 
-from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.errors import FuseServeError, InvalidRequestError
+from fuseserve.frontend import PromptEncoder
+from fuseserve.frontend.openai_params import check_n, sampling_params
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
@@ -43,8 +44,7 @@ from fuseserve.gateway.errors import (
 )
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
 from fuseserve.gateway.metrics import GatewayMetrics
-from fuseserve.gateway.prompts import PromptEncoder
-from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, field_policy
 from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import SCHEDULER_GRACE_S
@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+IGNORED_FIELDS_HEADER = "x-fuseserve-ignored-fields"
+"""Response header naming the unknown request fields that were ignored (comma-separated)."""
 
 
 @dataclass
@@ -174,33 +176,37 @@ class Gateway:
         return data
 
     def parse(self, model: type, data: dict):
+        """The validated body and the unknown fields it ignores (see ``protocol.field_policy``)."""
         try:
             req = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
+        ignored = field_policy(req)
         if req.model != self.model_name:
             raise ModelNotFoundError(req.model, self.model_name)
-        return req
+        return req, ignored
 
     async def sequences(
         self, req: CompletionRequest | ChatCompletionRequest, chat: bool
     ) -> list[SequenceState]:
         """Tokenize, validate and give each of ``n`` sequences per prompt its seq_id (nothing sent yet)."""
-        self.encoder.check_n(req.n)
-        prompts = (
-            [self.encoder.chat_prompt(req.messages)] if chat else self.encoder.completion_prompts(req.prompt)
-        )
+        check_n(req.n)
+        if not chat and req.echo:
+            raise InvalidRequestError("echo is not supported", param="echo")
+        if chat:
+            prompts = [self.encoder.chat([m.model_dump(exclude_none=True) for m in req.messages])]
+        else:
+            prompts = self.encoder.encode_batch(req.prompt)
         plans = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
-                plans.append((p, ids, self.encoder.sampling_params(req, len(ids), j)))
+                plans.append((p, ids, sampling_params(req, self.encoder, len(ids), j, chat)))
         await self.admission.check()
         seq_ids = await self.router.next_seq_ids(len(plans))
-        seqs = []
-        for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True)):
-            detok = DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
-            seqs.append(SequenceState(choice, seq_id, p, ids, params, detok))
-        return seqs
+        return [
+            SequenceState(choice, seq_id, p, ids, params, self.tokenizer)
+            for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True))
+        ]
 
     async def generate(self, request: Request, chat: bool):
         arrival = time.monotonic()
@@ -210,7 +216,8 @@ class Gateway:
             self.metrics.count_abort()
             log.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
             return Response(status_code=499)
-        req = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        req, ignored = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         seqs = await self.sequences(req, chat)
         gen = Generation(
             self.router,
@@ -228,7 +235,7 @@ class Gateway:
             return StreamingResponse(
                 self._stream(gen, renderer, include_usage),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
             )
         try:
             await gen.run()
@@ -240,7 +247,7 @@ class Gateway:
             raise
         self.metrics.count_status(200)
         self.metrics.latency.observe(time.monotonic() - arrival)
-        return JSONResponse(renderer.response(seqs))
+        return JSONResponse(renderer.response(seqs), headers=headers)
 
     async def _stream(self, gen: Generation, renderer: Renderer, include_usage: bool):
         status = "abort"

@@ -20,7 +20,8 @@ import json
 import time
 import uuid
 
-from fuseserve.gateway.generation import Delta, SequenceState, TokenLogprobs
+from fuseserve.frontend.output import Delta, TokenLogprobs
+from fuseserve.gateway.generation import SequenceState
 
 
 def sse(payload: dict | str) -> bytes:
@@ -70,16 +71,16 @@ class Renderer:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token(t): lp for t, lp in e.top} or None for e in entries],
+            "top_logprobs": [{self._token(t.token_id): t.logprob for t in e.top} or None for e in entries],
             "text_offset": offsets,
         }
 
     def _chat_logprob(self, e: TokenLogprobs) -> dict:
         tok = self._token(e.token_id)
         top = []
-        for tid, lp in e.top:
-            alt = self._token(tid)
-            top.append({"token": alt, "logprob": lp, "bytes": list(alt.encode())})
+        for t in e.top:
+            alt = self._token(t.token_id)
+            top.append({"token": alt, "logprob": t.logprob, "bytes": list(alt.encode())})
         return {"token": tok, "logprob": e.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
 
     # ------------------------------------------------------------------ whole response
@@ -91,14 +92,14 @@ class Renderer:
             if self.chat:
                 choice = {
                     "index": s.choice,
-                    "message": {"role": "assistant", "content": s.detok.text},
+                    "message": {"role": "assistant", "content": s.text},
                     "logprobs": lp,
                     "finish_reason": s.finish_reason,
                 }
             else:
                 choice = {
                     "index": s.choice,
-                    "text": s.detok.text,
+                    "text": s.text,
                     "logprobs": lp,
                     "finish_reason": s.finish_reason,
                 }
@@ -106,8 +107,10 @@ class Renderer:
                 choice["token_ids"] = s.token_ids
                 choice["prompt_tokens"] = len(s.prompt_ids)
                 if s.params.logprobs is not None:
-                    choice["token_logprobs"] = s.raw_logprobs
-                    choice["top_logprob_ids"] = s.raw_top
+                    choice["token_logprobs"] = s.logprobs
+                    choice["top_logprob_ids"] = [
+                        [[t.token_id, t.logprob] for t in top] for top in s.top_logprobs
+                    ]
             choices.append(choice)
         return {
             "id": self.id,

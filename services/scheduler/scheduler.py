@@ -38,29 +38,9 @@ from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.placement import StepTimeModel, seconds_per_share
 from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
-from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult
+from fuseserve.types import SeqChunk, StepPlan, StepResult, TokenEvent
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenEvent:
-    """A token produced for a sequence; ``finish_reason`` set on its last event.
-
-    hidden: the token ended the sequence as EOS / a stop token id and is not part of the text.
-    error: why the sequence failed (with ``finish_reason`` ABORT), e.g. the worker rejected its step;
-    error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
-    index: the token's position in the sequence's output (-1 without a token), fixed when the token is
-    applied: one poll may apply several results of a sequence, so it cannot be read off later.
-    """
-
-    seq_id: int
-    token: SampledToken | None
-    finish_reason: FinishReason | None = None
-    hidden: bool = False
-    error: str | None = None
-    error_status: int = 500
-    index: int = -1
 
 
 @dataclass

@@ -1,0 +1,149 @@
+"""One suite, two modes: the same cases through the pipeline and through the stack (``fuseserve
+serve``: Redis, scheduler, 2 gRPC workers, gateway) give the same text, token ids, finish reasons,
+logprobs and usage, and the same typed errors. fp32 on both sides.
+
+The stack is driven by ``fuseserve.Client`` (the pipeline's keywords over the OpenAI API) and, for
+the OpenAI surface itself, by the official ``openai`` package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from stack_harness import MODEL, local_stack, openai_client
+
+import fuseserve
+from fuseserve.errors import InvalidRequestError
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Case:
+    """A request: ``prompt`` (text or ids) or ``messages`` (chat), with pipeline keywords."""
+
+    name: str
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    kwargs: dict = field(default_factory=dict)
+
+    def run(self, mode):
+        if self.messages is not None:
+            return mode.chat(self.messages, **self.kwargs)
+        call = mode if isinstance(mode, fuseserve.Pipeline) else mode.generate
+        (out,) = call(self.prompt, **self.kwargs)
+        return out
+
+
+CASES = [
+    Case("text-length", "The capital of France is", kwargs=dict(max_new_tokens=12, temperature=0.0)),
+    Case(
+        "ids-logprobs",
+        [504, 3575, 282, 4649, 314],
+        kwargs=dict(max_new_tokens=6, temperature=0.0, logprobs=3),
+    ),
+    Case("chat-eos", messages=CAPITAL, kwargs=dict(max_new_tokens=48, temperature=0.0)),
+    Case(
+        "chat-stop-string", messages=CAPITAL, kwargs=dict(max_new_tokens=48, temperature=0.0, stop=["Paris"])
+    ),
+    Case(
+        "stop-string-kept",
+        messages=CAPITAL,
+        kwargs=dict(max_new_tokens=48, temperature=0.0, stop=["Paris"], include_stop_str_in_output=True),
+    ),
+    Case("seeded", "Once upon a time", kwargs=dict(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7)),
+    Case(
+        "stop-token-id", "1, 2, 3, 4,", kwargs=dict(max_new_tokens=16, temperature=0.0, stop_token_ids=[28])
+    ),
+    Case(
+        "ignore-eos-penalties",
+        messages=CAPITAL,
+        kwargs=dict(
+            max_new_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, min_new_tokens=4
+        ),
+    ),
+]
+
+ERRORS = [
+    ("empty-text", "", {}, "prompt"),
+    ("empty-ids", [], {}, "prompt"),
+    ("id-outside-vocab", [10**6], {}, "prompt"),
+    ("context", "hello", {"max_new_tokens": 9000}, "max_tokens"),
+    ("bad-temperature", "hello", {"temperature": -1.0}, "temperature"),
+]
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_source):
+    with local_stack(token_budget=64, kv_cache_memory="128MiB", dtype="float32") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with fuseserve.Client(stack[1], timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pipe(smollm2_source):
+    p = fuseserve.pipeline(
+        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", dtype="float32", progress=False
+    )
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_same_output_in_both_modes(pipe, client, case):
+    a, b = case.run(pipe), case.run(client)
+    assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason)
+    assert (b.prompt_tokens, b.generated_tokens) == (a.prompt_tokens, a.generated_tokens)
+    assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+    assert [[t.token_id for t in top] for top in b.top_logprobs] == [
+        [t.token_id for t in top] for top in a.top_logprobs
+    ]
+    assert a.token_ids and a.prompt_tokens > 0
+    if "stop" in case.kwargs:
+        assert a.finish_reason == "stop" and ("Paris" in a.text) == case.kwargs.get(
+            "include_stop_str_in_output", False
+        )
+    if case.kwargs.get("logprobs"):
+        assert len(a.logprobs) == len(a.token_ids) and all(len(t) == 3 for t in a.top_logprobs)
+
+
+@pytest.mark.parametrize("prompt,kwargs,param", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_same_errors_in_both_modes(pipe, client, prompt, kwargs, param):
+    for mode in (pipe, client.generate):
+        with pytest.raises(InvalidRequestError) as e:
+            mode(prompt, **kwargs)
+        assert e.value.param == param, (mode, e.value)
+
+
+def test_openai_sdk_no_op_fields_and_bad_input(stack):
+    """With the ``openai`` package: ``user``, ``metadata``, ``store`` are accepted; bad input is a 4xx."""
+    import openai
+
+    client = openai_client(stack[1])
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=CAPITAL,
+        max_tokens=8,
+        temperature=0,
+        user="u-1",
+        metadata={"k": "v"},
+        store=False,
+    )
+    assert r.choices[0].message.content
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="x", max_tokens=2, extra_body={"frobnicate": 1}
+    )
+    assert raw.headers["x-fuseserve-ignored-fields"] == "frobnicate"
+    for bad in (
+        dict(prompt=""),
+        dict(prompt="x", max_tokens=10**6),
+        dict(prompt="x", extra_body={"suffix": "y"}),
+    ):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, **{"max_tokens": 2, **bad})
