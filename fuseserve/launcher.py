@@ -174,6 +174,18 @@ def worker_argv(
     return worker + ["--attention-backend", args.attention_backend]
 
 
+def _front_end_argv(args: argparse.Namespace) -> list[str]:
+    """The gateway's front-end options of ``serve`` (served names, context, chat template, tokenizer)."""
+    argv: list[str] = []
+    if getattr(args, "served_model_name", None):
+        argv += ["--served-model-name", *args.served_model_name]
+    for name in ("max_model_len", "chat_template", "tokenizer"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
 def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy."""
     resolve_model(args.model)  # convert a GGUF once here, before the children race for it
@@ -203,6 +215,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
                 args.host,
                 "--port",
                 str(args.port),
+                *_front_end_argv(args),
             ],
         )
         base = f"http://{args.host}:{args.port}"

@@ -23,6 +23,12 @@ from collections.abc import Iterator
 from fuseserve.config import EngineConfig
 from fuseserve.errors import FuseServeError
 from fuseserve.frontend import Delta, OutputState, PromptEncoder, as_batch
+from fuseserve.frontend.model_info import (
+    context_length,
+    generation_defaults,
+    load_tokenizer,
+    read_chat_template,
+)
 from fuseserve.model_source import resolve_model
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams
@@ -75,6 +81,9 @@ class Pipeline:
         cache_dir: str | None = None,
         progress: bool = True,
         overlap: bool = True,
+        tokenizer: str | None = None,
+        chat_template: str | None = None,
+        max_model_len: int | None = None,
     ):
         self.config = EngineConfig(
             token_budget=token_budget,
@@ -89,15 +98,18 @@ class Pipeline:
         )
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
-        self.tokenizer = self.source.load_tokenizer()
+        self.tokenizer = load_tokenizer(self.source, tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
         self.runner = ModelRunner(
             self.source.path, self.source.config, self.eos_token_ids, self.config, progress=progress
         )
         info = self.runner.info
         self.token_budget = token_budget or choose_token_budget(self.runner, str(self.source.path), cache_dir)
-        self.max_model_len = info.max_model_len
-        self.encoder = PromptEncoder(self.tokenizer, self.runner.vocab_size, self.max_model_len)
+        self.max_model_len = min(info.max_model_len, context_length(self.source.config, max_model_len))
+        self.encoder = PromptEncoder(
+            self.tokenizer, self.runner.vocab_size, self.max_model_len, read_chat_template(chat_template)
+        )
+        self.defaults = generation_defaults(self.source.path)
         self.core = EngineCore(self.config, self.eos_token_ids)
         self.core.add_worker(
             "local", self.runner, info.num_blocks, info.block_size, info.max_model_len, self.token_budget
@@ -127,14 +139,14 @@ class Pipeline:
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` (unknown keyword, bad value, empty
         prompt) and ``ContextLengthExceededError`` before anything runs.
         """
-        params = SamplingParams.from_kwargs(**kwargs).validate()
+        params = self._params(kwargs)
         ids = [self._encode(p, params) for p in as_batch(prompts)]
         reqs = [self._submit(p, params) for p in ids]
         return [self._collect(r) for r in reqs]
 
     def stream(self, prompt: Prompt, **kwargs) -> Iterator[str]:
         """Yield text deltas as they are produced; joined, they equal the non-streamed text."""
-        params = SamplingParams.from_kwargs(**kwargs).validate()
+        params = self._params(kwargs)
         return self._lazy_events(self._encode(prompt, params), params, with_tokens=False)
 
     def stream_tokens(self, prompt: Prompt, **kwargs) -> Iterator[tuple[int, str]]:
@@ -143,8 +155,12 @@ class Pipeline:
         ``text_delta`` may be ``""`` (an incomplete UTF-8 character or text held back as a possible
         stop string; it arrives with a later token). Same keywords and errors as ``__call__``.
         """
-        params = SamplingParams.from_kwargs(**kwargs).validate()
+        params = self._params(kwargs)
         return self._lazy_events(self._encode(prompt, params), params, with_tokens=True)
+
+    def _params(self, kwargs: dict) -> SamplingParams:
+        """Validated params: ``kwargs`` over the model's ``generation_config.json`` defaults."""
+        return SamplingParams.from_kwargs(**{**self.defaults, **kwargs})
 
     def _lazy_events(self, ids: list[int], params: SamplingParams, with_tokens: bool):
         """Submit on the first ``next()``, so a stream dropped before iteration never runs."""
@@ -314,7 +330,10 @@ def pipeline(
     on CPU, 85% of free GPU memory on CUDA). policy: "splitfuse", "prefill_first", "whole_prompt".
     Other keywords: block_size, device, dtype, attention_backend ("auto", "torch", "cpu", "triton",
     "flash-attn"), cache_dir, progress, overlap (build the next pass while the current one runs;
-    default True).
+    default True), tokenizer (a tokenizer directory replacing the model's; without any tokenizer only
+    token-id prompts work), chat_template (a Jinja file replacing the model's), max_model_len
+    (context length in tokens, at most the model's). Sampling defaults come from the model's
+    ``generation_config.json`` (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens).
     Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
     """
     return Pipeline(

@@ -47,6 +47,8 @@ def sampling_params(
     kwargs = {**(defaults or {}), **params_kwargs_from_body(req)}
     requested = getattr(req, "max_completion_tokens", None) if chat else None
     requested = requested if requested is not None else getattr(req, "max_tokens", None)
+    if requested is None and "max_new_tokens" in kwargs:  # generation_config.json's, within the context
+        requested = max(1, min(kwargs["max_new_tokens"], encoder.max_model_len - prompt_len))
     max_tokens = encoder.max_new_tokens(prompt_len, requested)
     kwargs["max_new_tokens"] = max_tokens
     min_tokens = kwargs.get("min_new_tokens", 0)

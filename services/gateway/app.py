@@ -3,7 +3,8 @@
     app = create_app(GatewaySettings(redis_url="redis://localhost:6379", model="smollm2-135m-instruct"))
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
-``"stream": true``), ``GET /v1/models``, ``GET /health`` (503 without a live scheduler or worker, or without Redis),
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``,
+``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 without a live scheduler or worker, or without Redis),
 ``GET /metrics`` (Prometheus). A request is validated, tokenized and checked against the context
 and the scheduler's queue *before* anything is sent; then each sequence gets a ``seq_id`` (INCR),
 is XADDed to ``REQUESTS``, and its token events come back on this gateway's response stream.
@@ -32,7 +33,7 @@ from redis.backoff import ExponentialBackoff
 from starlette.requests import ClientDisconnect
 
 from fuseserve.errors import FuseServeError, InvalidRequestError
-from fuseserve.frontend import PromptEncoder
+from fuseserve.frontend.model_info import build_encoder, generation_defaults, load_tokenizer
 from fuseserve.frontend.openai_params import check_n, sampling_params
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.errors import (
@@ -44,11 +45,18 @@ from fuseserve.gateway.errors import (
 )
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
 from fuseserve.gateway.metrics import GatewayMetrics
-from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, field_policy
+from fuseserve.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    field_policy,
+)
 from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import SCHEDULER_GRACE_S
 from fuseserve.model_source import ModelSource, resolve_model
+from fuseserve.sampling_params import check_text
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +71,12 @@ class GatewaySettings:
     """What a gateway needs.
 
     redis_url: the Redis of the stack. model: alias, directory or .gguf (only its tokenizer and
-    config are loaded). served_model_name: the name clients send as ``model`` (default: the
-    model's name). max_queue: answer 429 while the scheduler has this many sequences waiting.
+    config are loaded). served_model_name: the name(s) clients send as ``model`` (default: the
+    model's name; the first one is listed first). max_queue: answer 429 while the scheduler has this many sequences waiting.
     max_body_bytes: larger request bodies get 413. max_model_len: context length in tokens
-    (default: ``config.max_position_embeddings``). admission_cache_s: seconds the worker / queue
+    (default: ``config.max_position_embeddings``; at most that). chat_template: a Jinja file replacing
+    the model's template. tokenizer: a tokenizer directory replacing the model's (without either,
+    only token-id prompts are served). admission_cache_s: seconds the worker / queue
     snapshot is reused. disconnect_poll_s: seconds between client-disconnect checks while waiting.
     redis_max_connections: pooled Redis connections shared by requests. redis_pool_timeout_s:
     seconds a request waits for a free one before its 503. scheduler_grace_s: seconds without a
@@ -76,10 +86,12 @@ class GatewaySettings:
 
     redis_url: str
     model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     max_queue: int = 1024
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_model_len: int | None = None
+    chat_template: str | None = None
+    tokenizer: str | None = None
     cache_dir: str | None = None
     admission_cache_s: float = 0.25
     disconnect_poll_s: float = 0.25
@@ -96,14 +108,20 @@ class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
         self.source = settings.source or resolve_model(settings.model, cache_dir=settings.cache_dir)
-        self.model_name = settings.served_model_name or self.source.name
-        self.tokenizer = self.source.load_tokenizer()
+        names = settings.served_model_name or self.source.name
+        self.model_names = [names] if isinstance(names, str) else list(names)
+        self.model_name = self.model_names[0]
+        self.tokenizer = load_tokenizer(self.source, settings.tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
-        config = self.source.config
-        self.max_model_len = settings.max_model_len or int(config.max_position_embeddings)
-        vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
-        self.vocab_size = vocab_size
-        self.encoder = PromptEncoder(self.tokenizer, vocab_size, self.max_model_len)
+        self.encoder = build_encoder(
+            self.source,
+            self.tokenizer,
+            max_model_len=settings.max_model_len,
+            chat_template=settings.chat_template,
+        )
+        self.max_model_len = self.encoder.max_model_len
+        self.vocab_size = self.encoder.vocab_size
+        self.defaults = generation_defaults(self.source.path)
         self.gateway_id = uuid.uuid4().hex
         self.metrics = GatewayMetrics()
         self.redis: aioredis.Redis | None = None
@@ -182,9 +200,51 @@ class Gateway:
         except ValidationError as e:
             raise validation_error(e) from None
         ignored = field_policy(req)
-        if req.model != self.model_name:
-            raise ModelNotFoundError(req.model, self.model_name)
+        self.check_model(req.model)
         return req, ignored
+
+    def check_model(self, name: str | None) -> None:
+        """Raise ``ModelNotFoundError`` (404) unless ``name`` is None or one of the served names."""
+        if name is not None and name not in self.model_names:
+            raise ModelNotFoundError(name, ", ".join(self.model_names))
+
+    def model_card(self, name: str) -> dict:
+        """The ``/v1/models`` entry of served name ``name``."""
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "fuseserve",
+            "root": self.model_name,
+            "max_model_len": self.max_model_len,
+        }
+
+    async def tokenize(self, request: Request) -> dict:
+        """``POST /tokenize``: ``{"count", "max_model_len", "tokens"}`` (vLLM's answer)."""
+        req = self.parse_plain(TokenizeRequest, await self.read_json(request))
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("send exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.messages is not None:
+            ids = self.encoder.chat([m.model_dump(exclude_none=True) for m in req.messages])
+        else:
+            check_text(req.prompt, "prompt")
+            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": list(ids)}
+
+    async def detokenize(self, request: Request) -> dict:
+        """``POST /detokenize``: ``{"prompt": text}`` of ``tokens``."""
+        req = self.parse_plain(DetokenizeRequest, await self.read_json(request))
+        if req.tokens:
+            self.encoder.encode(req.tokens)  # raises for ids outside the vocabulary
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    def parse_plain(self, model: type, data: dict):
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        self.check_model(req.model)
+        return req
 
     async def sequences(
         self, req: CompletionRequest | ChatCompletionRequest, chat: bool
@@ -200,7 +260,7 @@ class Gateway:
         plans = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
-                plans.append((p, ids, sampling_params(req, self.encoder, len(ids), j, chat)))
+                plans.append((p, ids, sampling_params(req, self.encoder, len(ids), j, chat, self.defaults)))
         await self.admission.check()
         seq_ids = await self.router.next_seq_ids(len(plans))
         return [
@@ -228,7 +288,7 @@ class Gateway:
             poll_s=self.settings.disconnect_poll_s,
         )
         gen.arrival = arrival
-        renderer = Renderer(self.tokenizer, self.model_name, chat, req.return_token_ids)
+        renderer = Renderer(self.tokenizer, req.model, chat, req.return_token_ids)
         await gen.submit()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -328,14 +388,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": gw.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "fuseserve",
-            "max_model_len": gw.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [gw.model_card(name) for name in gw.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        gw.check_model(model_id)
+        return gw.model_card(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await gw.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await gw.detokenize(request)
 
     @app.get("/health")
     async def health():
@@ -359,6 +425,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_queue=int(getattr(args, "max_queue", None) or 1024),
         max_body_bytes=int(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES),
         max_model_len=getattr(args, "max_model_len", None),
+        chat_template=getattr(args, "chat_template", None),
+        tokenizer=getattr(args, "tokenizer", None),
         cache_dir=getattr(args, "cache_dir", None),
     )
 
@@ -367,8 +435,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     """``fuseserve gateway``: serve the app with uvicorn until interrupted; returns the exit code.
 
     Reads ``args.redis_url``, ``model``, ``host`` (default 127.0.0.1), ``port`` (8000), ``max_queue``,
-    ``max_body_bytes``, ``log_level`` (info), and optionally ``served_model_name``,
-    ``max_model_len``, ``cache_dir``.
+    ``max_body_bytes``, ``log_level`` (info), and optionally ``served_model_name`` (one or more),
+    ``max_model_len``, ``chat_template``, ``tokenizer``, ``cache_dir``.
     """
     import uvicorn
 

@@ -133,6 +133,23 @@ class ChatCompletionRequest(_RequestFields):
     parallel_tool_calls: bool | None = None  # no-op without tools
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): ``prompt`` (text) or ``messages`` (chat, through the
+    template with the generation prompt). ``add_special_tokens`` applies to ``prompt`` only."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``: ``tokens`` (token ids) back to text."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
 def field_policy(req: BaseModel) -> list[str]:
     """Apply the request-field policy to a parsed body; returns the ignored unknown field names.
 

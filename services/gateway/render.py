@@ -44,6 +44,8 @@ class Renderer:
 
     # ------------------------------------------------------------------ pieces
     def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:  # served without a tokenizer: vLLM's token-id form
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def usage(self, seqs: list[SequenceState]) -> dict:
