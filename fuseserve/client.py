@@ -25,16 +25,13 @@ from typing import Any
 import httpx
 
 from fuseserve.errors import FuseServeError, InvalidRequestError, NoWorkerError, QueueFullError
+from fuseserve.frontend.encode import as_batch, is_token_ids
 from fuseserve.frontend.params import body_from_params
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import TokenLogprob
 
 Prompt = str | list[int]
-
-
-def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
 
 
 def _body(params: SamplingParams, chat: bool) -> dict[str, Any]:
@@ -103,12 +100,9 @@ class Client:
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` for bad keywords before sending,
         and the gateway's errors typed (see the module docstring).
         """
-        single = isinstance(prompts, str) or _is_token_ids(prompts)
-        batch = [prompts] if single else list(prompts)
+        batch = as_batch(prompts)  # the pipeline's rules: [] is an empty prompt (an error)
         params = SamplingParams.from_kwargs(**sampling)
-        if not batch:
-            return []
-        uniform = all(isinstance(p, str) for p in batch) or all(_is_token_ids(p) for p in batch)
+        uniform = all(isinstance(p, str) for p in batch) or all(is_token_ids(p) for p in batch)
         groups = [batch] if uniform else [[p] for p in batch]
         out: list[Response] = []
         for group in groups:

@@ -60,6 +60,7 @@ class _Request(OutputState):
             self.finish_reason or "abort",
             self.logprobs,
             self.top_logprobs,
+            self.prompt_logprobs,
         )
 
 
@@ -249,6 +250,7 @@ class Pipeline:
             tok.top_logprobs if tok is not None else None,
             ev.hidden,
             ev.finish_reason.value if ev.finish_reason is not None else None,
+            prompt_logprobs=ev.prompt_logprobs,
         )
         if req.stop_matched:
             self._command("abort", req.seq_id)

@@ -98,6 +98,8 @@ class SamplingParams:
     ignore_eos: keep generating past EOS (the EOS ids are never sampled).
     logprobs: None for none; 0 for the chosen token's logprob; N (<= 20) for the top-N as well.
     include_stop_str_in_output: keep the matched stop string at the end of the output text.
+    prompt_logprobs: None for none; N (<= 20) for each prompt token after the first its logprob and
+        the top-N alternatives (the OpenAI completions API's ``echo`` with ``logprobs``).
     """
 
     max_new_tokens: int = _param(16, "tokens to generate at most", openai="max_tokens")
@@ -119,6 +121,9 @@ class SamplingParams:
         None, "top-N logprobs per token (0: the chosen token's only)", openai=None, cli=False
     )
     include_stop_str_in_output: bool = _param(False, "keep the matched stop string in the text")
+    prompt_logprobs: int | None = _param(
+        None, "prompt tokens' logprobs with top-N alternatives (scoring)", openai=None, cli=False
+    )
 
     # ------------------------------------------------------------------ derived properties
     @property
@@ -191,6 +196,12 @@ class SamplingParams:
         ):
             raise InvalidParameterError(
                 "logprobs", self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidParameterError(
+                "prompt_logprobs", self.prompt_logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]"
             )
         if not isinstance(self.include_stop_str_in_output, bool):
             raise InvalidParameterError(

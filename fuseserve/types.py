@@ -74,18 +74,34 @@ class SampledToken:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens of one sequence, computed by one pass.
+
+    start_pos: prompt position of the first entry (>= 1). logprobs: per position, the prompt
+    token's logprob. top: per position, the top-N alternatives (N = ``params.prompt_logprobs``).
+    """
+
+    seq_id: int
+    start_pos: int
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[TokenLogprob]] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
     """What a worker returns for a StepPlan: one SampledToken per chunk with ``sample=True``, in plan order.
 
     forward_seconds: wall seconds of the pass on the worker (prepare + forward + sample).
     idle_seconds: seconds the worker waited for this plan after its previous pass ended; None when
         not measured (an in-process runner, or the first pass after a reset).
+    prompt_logprobs: prompt-token logprobs computed by the pass (sequences that asked for them).
     """
 
     step_id: int
     tokens: list[SampledToken] = field(default_factory=list)
     forward_seconds: float = 0.0
     idle_seconds: float | None = None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class FinishReason(enum.Enum):
@@ -105,6 +121,8 @@ class TokenEvent:
     error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
     index: the token's position in the sequence's output (-1 without a token), fixed when the token is
     applied: one poll may apply several results of a sequence, so it cannot be read off later.
+    prompt_logprobs: prompt-token logprobs (an event without a token); a recompute may resend
+    positions already sent.
     """
 
     seq_id: int
@@ -114,3 +132,4 @@ class TokenEvent:
     error: str | None = None
     error_status: int = 500
     index: int = -1
+    prompt_logprobs: PromptLogprobs | None = None

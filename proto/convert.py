@@ -12,7 +12,8 @@ import dataclasses
 
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
+from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
+
 
 # ---------------------------------------------------------------------------------- SamplingParams
 def _param_fields() -> list[tuple[str, object]]:
@@ -119,7 +120,7 @@ def sampled_token_to_proto(token: SampledToken) -> pb.SampledToken:
     msg = pb.SampledToken(
         seq_id=token.seq_id,
         token_id=token.token_id,
-        top_logprobs=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in token.top_logprobs],
+        top_logprobs=_logprobs_to_proto(token.top_logprobs),
     )
     if token.logprob is not None:
         msg.logprob = token.logprob
@@ -132,7 +133,7 @@ def sampled_token_from_proto(msg: pb.SampledToken) -> SampledToken:
         seq_id=msg.seq_id,
         token_id=msg.token_id,
         logprob=msg.logprob if msg.HasField("logprob") else None,
-        top_logprobs=[TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in msg.top_logprobs],
+        top_logprobs=_logprobs_from_proto(msg.top_logprobs),
     )
 
 
@@ -144,6 +145,15 @@ def step_result_to_proto(result: StepResult, num_free_blocks: int = 0) -> pb.Ste
         forward_seconds=result.forward_seconds,
         num_free_blocks=num_free_blocks,
         idle_seconds=result.idle_seconds,
+        prompt_logprobs=[
+            pb.PromptLogprobs(
+                seq_id=p.seq_id,
+                start_pos=p.start_pos,
+                logprobs=p.logprobs,
+                top=[pb.TopLogprobs(entries=_logprobs_to_proto(t)) for t in p.top],
+            )
+            for p in result.prompt_logprobs
+        ],
     )
 
 
@@ -154,4 +164,18 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
         tokens=[sampled_token_from_proto(t) for t in msg.tokens],
         forward_seconds=msg.forward_seconds,
         idle_seconds=msg.idle_seconds if msg.HasField("idle_seconds") else None,
+        prompt_logprobs=[
+            PromptLogprobs(
+                p.seq_id, p.start_pos, list(p.logprobs), [_logprobs_from_proto(t.entries) for t in p.top]
+            )
+            for p in msg.prompt_logprobs
+        ],
     )
+
+
+def _logprobs_to_proto(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in entries]
+
+
+def _logprobs_from_proto(entries) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in entries]

@@ -147,3 +147,33 @@ def test_openai_sdk_no_op_fields_and_bad_input(stack):
     ):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=MODEL, **{"max_tokens": 2, **bad})
+
+
+def test_openai_sdk_models_retrieve(stack):
+    client = openai_client(stack[1])
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_echo_logprobs_score_the_prompt_as_transformers(stack, pipe, smollm2_source):
+    """lm-eval's loglikelihood request (echo + logprobs, max_tokens 0) against transformers, fp32;
+    the pipeline's ``prompt_logprobs`` give the same numbers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = "Question: What is the capital of France? Answer: The capital of France is Paris."
+    ids = pipe.tokenizer(text)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_source.path), dtype=torch.float32)
+    with torch.no_grad():
+        rows = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [float(rows[p - 1, ids[p]]) for p in range(1, len(ids))]
+    r = openai_client(stack[1]).completions.create(
+        model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=1
+    )
+    choice = r.choices[0]
+    assert choice.text == text and r.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert len(choice.logprobs.tokens) == len(ids)
+    got = pipe(ids, max_new_tokens=1, temperature=0.0, prompt_logprobs=0)[0].prompt_logprobs
+    assert [e.logprob for e in got[1:]] == pytest.approx(expected, abs=1e-4)

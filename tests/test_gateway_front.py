@@ -82,3 +82,14 @@ def test_max_model_len_and_default_max_tokens(http, tok):
     assert usage["completion_tokens"] == CONTEXT - len(ids)  # vLLM's default: the rest of the context
     r = http.post("/v1/completions", json={**body, "max_tokens": CONTEXT})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_echo_returns_the_prompt_first(http, tok):
+    body = {"model": NAMES[0], "prompt": "Hello world", "max_tokens": 2, "echo": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"].startswith("Hello world") and len(choice["text"]) > len("Hello world")
+    r = http.post("/v1/completions", json={**body, "max_tokens": 0, "logprobs": 0}).json()
+    assert r["choices"][0]["text"] == "Hello world" and r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == 0
+    lp = r["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == "Hello world" and lp["token_logprobs"][0] is None

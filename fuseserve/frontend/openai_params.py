@@ -2,8 +2,9 @@
 
 The generic fields come from ``SamplingParams``' own table (``fuseserve.frontend.params``); what is
 mapped here by hand is only what differs per endpoint or per sequence: ``max_tokens`` (default: the
-rest of the context, as vLLM; chat's ``max_completion_tokens``), ``logprobs`` (an int on
-completions; a bool plus ``top_logprobs`` on chat), ``seed`` (sequence ``i`` of ``n`` uses
+rest of the context, as vLLM; chat's ``max_completion_tokens``; 0 with ``echo``: the prompt is only
+scored), ``logprobs`` (an int on completions; a bool plus ``top_logprobs`` on chat; with ``echo``
+also ``prompt_logprobs``), ``seed`` (sequence ``i`` of ``n`` uses
 ``seed + i``), and checks that need the model (``stop_token_ids`` inside the vocabulary). The request
 object is read by attribute (the gateway's pydantic models, or anything with the same names).
 """
@@ -47,6 +48,9 @@ def sampling_params(
     kwargs = {**(defaults or {}), **params_kwargs_from_body(req)}
     requested = getattr(req, "max_completion_tokens", None) if chat else None
     requested = requested if requested is not None else getattr(req, "max_tokens", None)
+    echo = not chat and bool(getattr(req, "echo", False))
+    if echo and requested == 0:  # score the prompt only: generate one token, shown to nobody (vLLM)
+        requested = 1
     if requested is None and "max_new_tokens" in kwargs:  # generation_config.json's, within the context
         requested = max(1, min(kwargs["max_new_tokens"], encoder.max_model_len - prompt_len))
     max_tokens = encoder.max_new_tokens(prompt_len, requested)
@@ -56,6 +60,8 @@ def sampling_params(
         raise InvalidParameterError("min_tokens", min_tokens, f"an integer in [0, max_tokens={max_tokens}]")
     _check_wire_values(req, encoder.vocab_size)
     kwargs["logprobs"] = _logprobs(req, chat)
+    if echo and kwargs["logprobs"] is not None:
+        kwargs["prompt_logprobs"] = kwargs["logprobs"]  # echo + logprobs: the prompt's logprobs too
     if kwargs.get("seed") is not None:
         kwargs["seed"] += index
     return SamplingParams.from_kwargs(**kwargs)

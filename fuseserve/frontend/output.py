@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.types import TokenLogprob
+from fuseserve.types import PromptLogprobs, TokenLogprob
 
 
 @dataclass
@@ -65,7 +65,8 @@ class OutputState:
     the detokenizer (None: token ids only, no text). text_parser: see the module docstring.
 
     Attributes: token_ids (every generated id, hidden ones included); logprobs / top_logprobs (per
-    generated token, when asked for); visible (logprobs of the visible tokens); finish_reason
+    generated token, when asked for); visible (logprobs of the visible tokens); prompt_logprobs (per
+    prompt position, None at position 0 and where not computed; None unless asked for); finish_reason
     ("stop", "length", "abort", "error" or None while running); error (the event's error, as given).
     """
 
@@ -116,14 +117,18 @@ class OutputState:
         finish_reason: str | None = None,
         index: int = -1,
         error: Any = None,
+        prompt_logprobs: PromptLogprobs | dict | None = None,
     ) -> bool:
         """Add one event to ``delta``; True when it carried a new token (False: duplicate or none).
 
         ``index``: the token's position in the output (-1: unknown); an index already seen is a
-        duplicate and ignored. ``error`` finishes the sequence with "error".
+        duplicate and ignored. ``error`` finishes the sequence with "error". ``prompt_logprobs``:
+        prompt-token logprobs (a ``PromptLogprobs`` or its wire dict), kept one per position.
         """
         if self.finished:
             return False
+        if prompt_logprobs is not None:
+            self._add_prompt_logprobs(prompt_logprobs)
         new_token = False
         if token_id is not None:
             if 0 <= index < self.next_index:
@@ -157,6 +162,16 @@ class OutputState:
                 self._text(self.detok.finish(), delta)
             self._finish(delta)
         return new_token
+
+    def _add_prompt_logprobs(self, p: PromptLogprobs | dict) -> None:
+        if isinstance(p, dict):
+            p = PromptLogprobs(-1, p["start_pos"], p["logprobs"], [_as_top(t) for t in p["top"]])
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+        for i, lp in enumerate(p.logprobs):
+            pos = p.start_pos + i
+            if 0 < pos < len(self.prompt_ids):
+                self.prompt_logprobs[pos] = TokenLogprobs(self.prompt_ids[pos], lp, _as_top(p.top[i]))
 
     def _finish(self, delta: Delta) -> None:
         if self.text_parser is not None:

@@ -251,8 +251,9 @@ class Gateway:
     ) -> list[SequenceState]:
         """Tokenize, validate and give each of ``n`` sequences per prompt its seq_id (nothing sent yet)."""
         check_n(req.n)
-        if not chat and req.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
+        echo = not chat and req.echo
+        if echo and req.stream:
+            raise InvalidRequestError("echo is not supported with stream", param="echo")
         if chat:
             prompts = [self.encoder.chat([m.model_dump(exclude_none=True) for m in req.messages])]
         else:
@@ -263,10 +264,17 @@ class Gateway:
                 plans.append((p, ids, sampling_params(req, self.encoder, len(ids), j, chat, self.defaults)))
         await self.admission.check()
         seq_ids = await self.router.next_seq_ids(len(plans))
-        return [
+        seqs = [
             SequenceState(choice, seq_id, p, ids, params, self.tokenizer)
             for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True))
         ]
+        if echo:
+            texts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else None
+            texts = [req.prompt] if isinstance(req.prompt, str) else texts
+            for s in seqs:
+                s.echo = texts[s.prompt_index] if texts else self.tokenizer.decode(s.prompt_ids)
+                s.echo_only = req.max_tokens == 0
+        return seqs
 
     async def generate(self, request: Request, chat: bool):
         arrival = time.monotonic()

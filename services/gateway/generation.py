@@ -27,6 +27,7 @@ class SequenceState(OutputState):
 
     prompt_index: which prompt of the request it continues (``n`` sequences share one).
     last_token_at: monotonic seconds of its last token (inter-token latency metric).
+    echo / echo_only: see ``render.py`` (completions' ``echo``).
     """
 
     def __init__(self, choice: int, seq_id: int, prompt_index: int, prompt_ids: list[int], params, tokenizer):
@@ -35,11 +36,21 @@ class SequenceState(OutputState):
         self.seq_id = seq_id
         self.prompt_index = prompt_index
         self.last_token_at: float | None = None
+        self.echo: str | None = None  # completions' echo: the prompt's text, shown before the output
+        self.echo_only = False  # echo with max_tokens 0: the prompt only (its one generated token hidden)
 
     def apply_message(self, ev: TokenMessage, delta: Delta) -> bool:
         """Add one event of the response stream to ``delta`` (see ``OutputState.apply``)."""
         return self.apply(
-            delta, ev.token_id, ev.logprob, ev.top_logprobs, ev.hidden, ev.finish_reason, ev.index, ev.error
+            delta,
+            ev.token_id,
+            ev.logprob,
+            ev.top_logprobs,
+            ev.hidden,
+            ev.finish_reason,
+            ev.index,
+            ev.error,
+            ev.prompt_logprobs,
         )
 
 

@@ -436,8 +436,11 @@ class Scheduler:
             )
         slot.step_time.observe(record.plan.num_tokens, result.forward_seconds)
         sampled = {t.seq_id: t for t in result.tokens}
+        scored = {p.seq_id: p for p in result.prompt_logprobs}
         events = []
         for seq, _, admitted_at in record.entries:
+            if seq.seq_id in scored and self._live(seq, worker, admitted_at):  # before its first token
+                events.append(TokenEvent(seq.seq_id, None, prompt_logprobs=scored[seq.seq_id]))
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue
