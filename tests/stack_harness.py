@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import pytest
+
 from fuseserve.redis_launcher import free_port
 
 MODEL = "smollm2-135m-instruct"
@@ -35,3 +37,22 @@ def openai_client(base: str, **kwargs):
     import openai
 
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_source):
+    """The stack of a test module (fp32, budget 64): ``(stack, base_url)``; import it by name."""
+    with local_stack(token_budget=64, kv_cache_memory="128MiB", dtype="float32") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def pipe(smollm2_source):
+    """The pipeline with the stack's settings (fp32, budget 64), to compare with it; import it by name."""
+    import fuseserve
+
+    p = fuseserve.pipeline(
+        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", dtype="float32", progress=False
+    )
+    yield p
+    p.close()

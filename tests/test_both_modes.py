@@ -6,12 +6,15 @@ The stack is driven by ``fuseserve.Client`` (the pipeline's keywords over the Op
 the OpenAI surface itself, by the official ``openai`` package.
 """
 
+# Test parameters take the names of the fixtures imported from stack_harness (pyflakes: redefinitions).
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
-from stack_harness import MODEL, local_stack, openai_client
+from stack_harness import MODEL, openai_client, pipe, stack  # noqa: F401 (fixtures)
 
 import fuseserve
 from fuseserve.errors import InvalidRequestError
@@ -75,24 +78,9 @@ ERRORS = [
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_source):
-    with local_stack(token_budget=64, kv_cache_memory="128MiB", dtype="float32") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def client(stack):
     with fuseserve.Client(stack[1], timeout=300) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def pipe(smollm2_source):
-    p = fuseserve.pipeline(
-        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", dtype="float32", progress=False
-    )
-    yield p
-    p.close()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 import pytest
+from test_proto import _full_params
 
 from fuseserve.errors import ContextLengthExceededError, InvalidParameterError, InvalidRequestError
 from fuseserve.frontend import Delta, OutputState, PromptEncoder, as_batch
@@ -20,24 +21,7 @@ from fuseserve.frontend.params import (
 from fuseserve.proto.convert import sampling_params_from_proto, sampling_params_to_proto
 from fuseserve.sampling_params import SamplingParams
 
-FULL = SamplingParams(
-    max_new_tokens=7,
-    min_new_tokens=2,
-    temperature=0.5,
-    top_k=3,
-    top_p=0.9,
-    min_p=0.1,
-    repetition_penalty=1.2,
-    presence_penalty=0.3,
-    frequency_penalty=-0.4,
-    seed=11,
-    stop=["a", "b"],
-    stop_token_ids=[5, 6],
-    ignore_eos=True,
-    logprobs=2,
-    include_stop_str_in_output=True,
-    prompt_logprobs=1,
-)
+FULL = _full_params()  # every field set
 BY_HAND = {"logprobs", "prompt_logprobs"}  # per-endpoint OpenAI shapes (openai_params.py); not CLI flags
 
 
@@ -54,7 +38,7 @@ def test_every_field_reaches_every_surface():
         k: v for k, v in dataclasses.asdict(FULL).items() if k not in BY_HAND
     }
     assert set(openai_model_fields()) == set(body)
-    assert body["max_tokens"] == 7 and body["min_tokens"] == 2
+    assert body["max_tokens"] == FULL.max_new_tokens and body["min_tokens"] == FULL.min_new_tokens
     assert sampling_params_from_proto(sampling_params_to_proto(FULL)) == FULL
     none = SamplingParams()
     assert sampling_params_from_proto(sampling_params_to_proto(none)) == none
