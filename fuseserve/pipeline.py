@@ -99,6 +99,7 @@ class Pipeline:
         )
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
+        context = context_length(self.source.config, max_model_len)  # raises before anything loads
         self.tokenizer = load_tokenizer(self.source, tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
         self.runner = ModelRunner(
@@ -106,7 +107,7 @@ class Pipeline:
         )
         info = self.runner.info
         self.token_budget = token_budget or choose_token_budget(self.runner, str(self.source.path), cache_dir)
-        self.max_model_len = min(info.max_model_len, context_length(self.source.config, max_model_len))
+        self.max_model_len = min(info.max_model_len, context)
         self.encoder = PromptEncoder(
             self.tokenizer, self.runner.vocab_size, self.max_model_len, read_chat_template(chat_template)
         )
