@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from fuseserve.errors import FuseServeError, InvalidRequestError
 from fuseserve.frontend.model_info import build_encoder, generation_defaults, load_tokenizer
 from fuseserve.frontend.openai_params import check_n, sampling_params
+from fuseserve.gateway import utilities
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
@@ -56,7 +57,6 @@ from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import SCHEDULER_GRACE_S
 from fuseserve.model_source import ModelSource, resolve_model
-from fuseserve.sampling_params import check_text
 
 log = logging.getLogger(__name__)
 
@@ -208,37 +208,8 @@ class Gateway:
         if name is not None and name not in self.model_names:
             raise ModelNotFoundError(name, ", ".join(self.model_names))
 
-    def model_card(self, name: str) -> dict:
-        """The ``/v1/models`` entry of served name ``name``."""
-        return {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "fuseserve",
-            "root": self.model_name,
-            "max_model_len": self.max_model_len,
-        }
-
-    async def tokenize(self, request: Request) -> dict:
-        """``POST /tokenize``: ``{"count", "max_model_len", "tokens"}`` (vLLM's answer)."""
-        req = self.parse_plain(TokenizeRequest, await self.read_json(request))
-        if (req.prompt is None) == (req.messages is None):
-            raise InvalidRequestError("send exactly one of 'prompt' and 'messages'", param="prompt")
-        if req.messages is not None:
-            ids = self.encoder.chat([m.model_dump(exclude_none=True) for m in req.messages])
-        else:
-            check_text(req.prompt, "prompt")
-            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": list(ids)}
-
-    async def detokenize(self, request: Request) -> dict:
-        """``POST /detokenize``: ``{"prompt": text}`` of ``tokens``."""
-        req = self.parse_plain(DetokenizeRequest, await self.read_json(request))
-        if req.tokens:
-            self.encoder.encode(req.tokens)  # raises for ids outside the vocabulary
-        return {"prompt": self.tokenizer.decode(req.tokens)}
-
     def parse_plain(self, model: type, data: dict):
+        """A validated utility body (``/tokenize``, ``/detokenize``) whose ``model`` is served."""
         try:
             req = model.model_validate(data)
         except ValidationError as e:
@@ -396,20 +367,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [gw.model_card(name) for name in gw.model_names]}
+        return {"object": "list", "data": [utilities.model_card(gw, name) for name in gw.model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         gw.check_model(model_id)
-        return gw.model_card(model_id)
+        return utilities.model_card(gw, model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await gw.tokenize(request)
+        return utilities.tokenize(gw, gw.parse_plain(TokenizeRequest, await gw.read_json(request)))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await gw.detokenize(request)
+        return utilities.detokenize(gw, gw.parse_plain(DetokenizeRequest, await gw.read_json(request)))
 
     @app.get("/health")
     async def health():
