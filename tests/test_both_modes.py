@@ -144,24 +144,43 @@ def test_openai_sdk_models_retrieve(stack):
 
 
 def test_echo_logprobs_score_the_prompt_as_transformers(stack, pipe, smollm2_source):
-    """lm-eval's loglikelihood request (echo + logprobs, max_tokens 0) against transformers, fp32;
-    the pipeline's ``prompt_logprobs`` give the same numbers."""
+    """lm-eval's loglikelihood request (echo + logprobs, max_tokens 0) against transformers, fp32,
+    with the prompt longer than the token budget (scored over several chunks); the pipeline's
+    ``prompt_logprobs``, run next to a generating request, give the same numbers."""
     import torch
+    from pipeline_harness import run_concurrently
     from transformers import AutoModelForCausalLM
 
-    text = "Question: What is the capital of France? Answer: The capital of France is Paris."
+    text = " ".join(
+        f"Question {i}: What is the capital of {c}? Answer: The capital of {c} is {a}."
+        for i, (c, a) in enumerate(
+            [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Peru", "Lima")]
+        )
+    )
     ids = pipe.tokenizer(text)["input_ids"]
+    assert len(ids) > 64  # the token budget: several chunks
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_source.path), dtype=torch.float32)
     with torch.no_grad():
         rows = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
     expected = [float(rows[p - 1, ids[p]]) for p in range(1, len(ids))]
     r = openai_client(stack[1]).completions.create(
-        model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=1
+        model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2
     )
     choice = r.choices[0]
-    assert choice.text == text and r.usage.completion_tokens == 0
-    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.text == text and r.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids)
     assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
-    assert len(choice.logprobs.tokens) == len(ids)
-    got = pipe(ids, max_new_tokens=1, temperature=0.0, prompt_logprobs=0)[0].prompt_logprobs
+    top = rows[len(ids) // 2 - 1].topk(2)
+    assert list(choice.logprobs.top_logprobs[len(ids) // 2].values()) == pytest.approx(
+        top.values.tolist(), abs=1e-4
+    )
+    got, _ = run_concurrently(
+        [
+            lambda: pipe(ids, max_new_tokens=1, temperature=0.0, prompt_logprobs=2)[0].prompt_logprobs,
+            lambda: pipe("Count to twenty: 1, 2, 3,", max_new_tokens=24, temperature=0.0),
+        ]
+    )
+    assert len(got) == len(ids) and got[0] is None and [e.token_id for e in got[1:]] == ids[1:]
     assert [e.logprob for e in got[1:]] == pytest.approx(expected, abs=1e-4)
+    assert [t.token_id for t in got[len(ids) // 2].top] == top.indices.tolist()
+    assert pipe(ids[:5], max_new_tokens=1, temperature=0.0)[0].prompt_logprobs is None
