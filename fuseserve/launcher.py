@@ -210,6 +210,18 @@ def worker_argv(
     return worker + ["--attention-backend", args.attention_backend]
 
 
+def _front_end_argv(args: argparse.Namespace) -> list[str]:
+    """The gateway's front-end options of ``serve`` (served names, context, chat template, tokenizer)."""
+    argv: list[str] = []
+    if getattr(args, "served_model_name", None):
+        argv += ["--served-model-name", *args.served_model_name]
+    for name in ("max_model_len", "chat_template", "tokenizer"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
 def gateway_argv(args: argparse.Namespace, redis_url: str) -> tuple[list[str], dict[str, str]]:
     """The ``fuseserve gateway`` command line of a local stack and its secret environment (the API key)."""
     argv = ["--log-level", args.log_level, "gateway", "--redis-url", redis_url, "--model", args.model]
@@ -218,6 +230,7 @@ def gateway_argv(args: argparse.Namespace, redis_url: str) -> tuple[list[str], d
         argv += ["--api-key-file", args.api_key_file]
     if getattr(args, "protect_metrics", False):
         argv.append("--protect-metrics")
+    argv += _front_end_argv(args)
     for f in fields(RequestLimits):
         value = getattr(args, f.name, None)
         if value is not None:

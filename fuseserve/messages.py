@@ -132,6 +132,8 @@ class TokenMessage:
     hidden: the token ended the sequence as EOS / stop token id; it is not part of the text.
     finish_reason: "stop" | "length" | "abort" on the sequence's last event, else None.
     error: ``{"message", "type", "status"}`` when the scheduler rejected the request.
+    prompt_logprobs: ``{"start_pos", "logprobs", "top": [[[token_id, logprob], ...], ...]}`` for an
+        event carrying prompt-token logprobs (no token), else None.
     """
 
     seq_id: int
@@ -142,6 +144,15 @@ class TokenMessage:
     hidden: bool = False
     finish_reason: str | None = None
     error: dict | None = None
+    prompt_logprobs: dict | None = None
+
+
+def prompt_logprobs_to_wire(p) -> dict | None:
+    """A ``fuseserve.types.PromptLogprobs`` as ``TokenMessage.prompt_logprobs`` (None stays None)."""
+    if p is None:
+        return None
+    top = [[[t.token_id, t.logprob] for t in alts] for alts in p.top]
+    return {"start_pos": p.start_pos, "logprobs": list(p.logprobs), "top": top}
 
 
 def encode_events(events: list[TokenMessage]) -> dict[str, str]:

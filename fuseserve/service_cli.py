@@ -75,8 +75,53 @@ def _simulate(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _front_end(p: argparse.ArgumentParser) -> None:
+    """Options of the request front end (the gateway's; ``serve`` passes them on)."""
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients send as 'model'; the first is listed first (default: the model's name)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens, at most the model's (default: config max_position_embeddings)",
+    )
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the model's own"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="tokenizer directory when the checkpoint has none (default: the model's own)",
+    )
+
+
+def _model_positional(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model alias, directory, .gguf file or Hugging Face Hub id (same as --model)",
+    )
+
+
+def _with_model(a: argparse.Namespace) -> argparse.Namespace:
+    """``serve MODEL`` / ``gateway MODEL``: the positional wins over --model."""
+    if getattr(a, "model_positional", None):
+        a.model = a.model_positional
+    return a
+
+
 def _serve(a):
     from fuseserve.launcher import run_serve
+
+    a = _with_model(a)
 
     return run_serve(a)
 
@@ -92,6 +137,7 @@ def _authenticated(a: argparse.Namespace) -> argparse.Namespace:
 def _gateway(a):
     from fuseserve.gateway.app import run_gateway
 
+    a = _with_model(a)
     return run_gateway(_authenticated(a))
 
 
@@ -136,8 +182,10 @@ def add_parsers(sub, engine_args) -> None:
         description="Start Redis, the scheduler, N workers and the OpenAI-compatible gateway "
         "on this machine; Ctrl-C stops them all.",
     )
+    _model_positional(s)
     engine_args(s)
     slo_args(s)
+    _front_end(s)
     s.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
     s.add_argument(
         "--schedulers",
@@ -181,9 +229,11 @@ def add_parsers(sub, engine_args) -> None:
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     _redis(g)
+    _model_positional(g)
     g.add_argument(
         "--model", default="smollm2-135m-instruct", help="model alias, directory or .gguf (tokenizer)"
     )
+    _front_end(g)
     g.add_argument("--host", default="127.0.0.1", help="bind host (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="bind port (default: 8000)")
     g.add_argument("--max-queue", type=int, default=1024, help="waiting sequences before 429 (default: 1024)")

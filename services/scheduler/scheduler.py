@@ -41,30 +41,10 @@ from fuseserve.scheduler.placement import StepTimeModel, seconds_per_share
 from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.scheduler.slo_budget import PassLatency, SLOBudget
-from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult
+from fuseserve.types import SeqChunk, StepPlan, StepResult, TokenEvent
 from fuseserve.worker.latency_model import PassShape
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenEvent:
-    """A token produced for a sequence; ``finish_reason`` set on its last event.
-
-    hidden: the token ended the sequence as EOS / a stop token id and is not part of the text.
-    error: why the sequence failed (with ``finish_reason`` ABORT), e.g. the worker rejected its step;
-    error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
-    index: the token's position in the sequence's output (-1 without a token), fixed when the token is
-    applied: one poll may apply several results of a sequence, so it cannot be read off later.
-    """
-
-    seq_id: int
-    token: SampledToken | None
-    finish_reason: FinishReason | None = None
-    hidden: bool = False
-    error: str | None = None
-    error_status: int = 500
-    index: int = -1
 
 
 @dataclass
@@ -491,8 +471,11 @@ class Scheduler:
         if self.slo is not None:
             slot.latency.observe(PassShape.of_plan(record.plan), result.forward_seconds)
         sampled = {t.seq_id: t for t in result.tokens}
+        scored = {p.seq_id: p for p in result.prompt_logprobs}
         events = []
         for seq, _, admitted_at in record.entries:
+            if seq.seq_id in scored and self._live(seq, worker, admitted_at):  # before its first token
+                events.append(TokenEvent(seq.seq_id, None, prompt_logprobs=scored[seq.seq_id]))
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue

@@ -6,18 +6,13 @@ import enum
 from dataclasses import dataclass, field
 
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import FinishReason  # noqa: F401 - re-exported for the scheduler
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted and waiting for recompute
     RUNNING = "running"  # admitted on a worker; KV blocks reserved there
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_new_tokens or the context window reached
-    ABORT = "abort"  # the client went away or asked to cancel
 
 
 @dataclass
