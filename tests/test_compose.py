@@ -24,7 +24,15 @@ MONITORING = ROOT / "monitoring"
 
 SUBCOMMANDS = {"gateway", "scheduler", "worker"}
 """`fuseserve <subcommand>` names the stack runs (the CLI contract)."""
-FLAGS = {"--redis-url", "--model", "--host", "--port", "--metrics-port", "--advertise-host"}
+FLAGS = {
+    "--redis-url",
+    "--model",
+    "--host",
+    "--port",
+    "--metrics-port",
+    "--advertise-host",
+    "--drain-timeout",
+}
 """Flags of those subcommands that compose may pass."""
 REDIS_URL = "redis://redis:6379"
 

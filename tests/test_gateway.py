@@ -215,9 +215,10 @@ BAD_COMPLETIONS = [
     ({"prompt": [10**9]}, 400, "prompt", "outside"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs", ""),
     ({"prompt": "x", "n": 0}, 400, "n", ""),
-    ({"prompt": "x", "echo": True}, 400, "echo", ""),
+    ({"prompt": "x", "echo": True, "stream": True}, 400, "echo", "stream"),
+    ({"prompt": "x", "echo": True, "max_tokens": -1}, 400, "max_tokens", ""),
     ({"prompt": "x", "best_of": 2}, 400, "best_of", "best_of"),
-    ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
     ({"prompt": "x", "max_tokens": 9000}, 400, "max_tokens", "8192"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "gpt-4"),
     ({"max_tokens": 3}, 400, "prompt", "prompt"),
@@ -246,6 +247,32 @@ BAD_CHATS = [
 def test_bad_chat_requests(http, body, param):
     assert_error(http.post("/v1/chat/completions", json={"model": MODEL, **body}), 400, param)
     assert_works(http)
+
+
+def test_request_field_policy(http):
+    """vLLM's policy: no-op fields accepted; unknown ones accepted and named in a header;
+    known output-changing fields that are not implemented are a 400 naming them."""
+    noop = dict(
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        prompt_cache_key="c",
+        safety_identifier="s",
+        stream_options={"include_obfuscation": False},
+        parallel_tool_calls=True,
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(http, "/v1/chat/completions", messages=messages, max_tokens=2, **noop)
+    assert r.status_code == 200, r.text
+    assert "x-fuseserve-ignored-fields" not in r.headers
+    r = post(http, "/v1/completions", prompt="x", max_tokens=2, frobnicate=1, another={"a": 1})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-fuseserve-ignored-fields"] == "another,frobnicate"
+    r = post(http, "/v1/completions", prompt="x", max_tokens=2, stream=True, frobnicate=1)
+    assert r.headers["x-fuseserve-ignored-fields"] == "frobnicate"
+    for name, value in (("response_format", {"type": "json_object"}), ("logit_bias", {"1": 2})):
+        assert_error(post(http, "/v1/chat/completions", messages=messages, **{name: value}), 400, name, name)
 
 
 def test_model_field_required(http):

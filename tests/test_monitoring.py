@@ -132,7 +132,7 @@ def test_scheduler_passes_budget_and_queue_time_counted_once():
     from fuseserve.types import SeqChunk, StepPlan
 
     slots = {"w0": SimpleNamespace(token_budget=256)}
-    core = SimpleNamespace(scheduler=SimpleNamespace(slots=slots), on_plans=None)
+    core = SimpleNamespace(scheduler=SimpleNamespace(slots=slots, pass_observers=[]), on_plans=None)
     m = SchedulerMetrics(None)
     m.queue_depth.set(3)  # before the first worker: labelled "unknown", dropped by set_model
     m.set_model("m")
@@ -151,6 +151,9 @@ def test_scheduler_passes_budget_and_queue_time_counted_once():
     assert value("fuseserve_request_queue_time_seconds_count", {"model_name": "m"}) == 1
     assert value("fuseserve_plan_build_seconds_count", {"model_name": "m"}) == 2
     assert value("fuseserve_token_budget", {"model_name": "m", "worker": "w0"}) == 256
+    for observe in core.scheduler.pass_observers:  # what Scheduler.schedule_workers calls per plan
+        observe("w0", 640, 600)
+    assert value("fuseserve_iteration_token_budget_sum", {"model_name": "m", "worker": "w0"}) == 640
     m.drop_worker("w0")
     slots.clear()
     assert value("fuseserve_token_budget", {"model_name": "m", "worker": "w0"}) is None

@@ -1,6 +1,7 @@
 """A simulated stack (``fuseserve.serve(..., simulate=PRESET)``): real Redis (with its generated
 password), scheduler and gateway with the SmolLM2 tokenizer and an API key, two simulated workers
-(slowdowns 1 and 3), driven by the ``openai`` client.
+(slowdowns 1 and 3), driven by the ``openai`` client; the scheduler runs with latency targets
+(passes sized by ``slo_budget``).
 
 Overload: three times the admission capacity (the per-key concurrency limit,
 ``--max-concurrent-per-key``) at once. Every answer must be 200 or 429 (with ``Retry-After`` and
@@ -37,6 +38,8 @@ def server(smollm2_source):
         port=free_port(),
         simulate="a100-llama2-7b",
         simulate_slowdown="1,3",
+        target_itl=0.25,
+        target_prefill_rate=512,
         api_key=KEY,
         max_concurrent_per_key=CAPACITY,
     ) as s:
@@ -175,8 +178,15 @@ def test_a_restarted_child_connects_with_the_password_again(server):
     stack.supervise()  # what `fuseserve serve` runs every 0.5 s
     new = dict(stack.procs)["worker-1"]
     assert new.pid != old.pid
-    with open(f"/proc/{new.pid}/environ", "rb") as f:
-        assert f"{REDIS_PASSWORD_ENV}={stack.redis.password}".encode() in f.read().split(b"\0")
+    environ = b""
+    for _ in range(40):  # /proc/PID/environ reads empty for a moment right after the exec
+        assert new.poll() is None, f"the restarted worker exited with {new.returncode}"
+        with open(f"/proc/{new.pid}/environ", "rb") as f:
+            environ = f.read()
+        if environ:
+            break
+        time.sleep(0.05)
+    assert f"{REDIS_PASSWORD_ENV}={stack.redis.password}".encode() in environ.split(b"\0")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # registered again (port 0: a new address) through an AUTHed client
         raw = r.get(messages.worker_key("worker-1"))
@@ -186,3 +196,11 @@ def test_a_restarted_child_connects_with_the_password_again(server):
         time.sleep(0.25)
     else:
         pytest.fail("the restarted worker did not register again")
+
+
+def test_scheduler_gets_the_latency_targets(server):
+    """``fuseserve serve --target-itl --target-prefill-rate`` hands them to the scheduler (the other
+    tests here run with them: a simulated worker has no start-up profile, so its passes are sized
+    once 8 are measured)."""
+    scheduler = next(argv for name, argv in server.stack.argv.items() if name.startswith("scheduler"))
+    assert scheduler[-4:] == ["--target-itl", "0.25", "--target-prefill-rate", "512"]

@@ -159,6 +159,7 @@ def test_simulated_worker_process_registers_serves_and_exports_metrics():
         t0 = time.monotonic()
         cmd = [sys.executable, "-m", "fuseserve.cli", "worker", "--redis-url", rs.url, "--port", "0"]
         cmd += ["--metrics-port", "0", "--worker-id", "sim-0", "--simulate", "a100-llama2-7b"]
+        cmd += ["--drain-timeout", "0"]  # it keeps sequences no scheduler frees: SIGTERM stops at once
         proc = subprocess.Popen(cmd + ["--simulate-slowdown", "2"])
         try:
             r = redis.Redis.from_url(rs.url)

@@ -3,7 +3,8 @@
     app = create_app(GatewaySettings(redis_url="redis://localhost:6379", model="smollm2-135m-instruct"))
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
-``"stream": true``), ``GET /v1/models``, ``GET /health`` (503 without a live scheduler or worker, or without Redis),
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``,
+``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 without a live scheduler or worker, or without Redis),
 ``GET /metrics`` (Prometheus). With API keys configured every path but ``/health`` (and ``/metrics``
 unless protected) needs one (``auth.py``); ``limits.py`` bounds what one request may cost. A
 request is validated, tokenized and checked against the context and the scheduler's queue *before*
@@ -34,8 +35,10 @@ from redis.backoff import ExponentialBackoff
 from starlette.requests import ClientDisconnect
 
 from fuseserve.config import RequestLimits
-from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.errors import FuseServeError, InvalidRequestError
+from fuseserve.frontend.model_info import build_encoder, generation_defaults, load_tokenizer
+from fuseserve.frontend.openai_params import check_n, sampling_params
+from fuseserve.gateway import utilities
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.auth import ApiKeys
 from fuseserve.gateway.errors import (
@@ -48,8 +51,13 @@ from fuseserve.gateway.errors import (
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
 from fuseserve.gateway.limits import Limiter, install_guards
 from fuseserve.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from fuseserve.gateway.prompts import PromptEncoder
-from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from fuseserve.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    field_policy,
+)
 from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import SCHEDULER_GRACE_S
@@ -58,6 +66,8 @@ from fuseserve.model_source import ModelSource, resolve_model
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+IGNORED_FIELDS_HEADER = "x-fuseserve-ignored-fields"
+"""Response header naming the unknown request fields that were ignored (comma-separated)."""
 
 
 @dataclass
@@ -65,12 +75,14 @@ class GatewaySettings:
     """What a gateway needs.
 
     redis_url: the Redis of the stack. model: alias, directory or .gguf (only its tokenizer and
-    config are loaded). served_model_name: the name clients send as ``model`` (default: the
-    model's name). max_queue: answer 429 while the scheduler has this many sequences waiting.
-    limits: what one request may cost (``fuseserve.config.RequestLimits``; ``gateway/limits.py``).
-    api_keys: accepted keys (None: no key needed; ``gateway/auth.py``). protect_metrics: ``/metrics``
-    needs a key too. max_model_len: context length in tokens
-    (default: ``config.max_position_embeddings``). admission_cache_s: seconds the worker / queue
+    config are loaded). served_model_name: the name(s) clients send as ``model`` (default: the
+    model's name; the first one is listed first). max_queue: answer 429 while the scheduler has this
+    many sequences waiting. limits: what one request may cost (``fuseserve.config.RequestLimits``;
+    ``gateway/limits.py``). api_keys: accepted keys (None: no key needed; ``gateway/auth.py``).
+    protect_metrics: ``/metrics`` needs a key too. max_model_len: context length in tokens
+    (default: ``config.max_position_embeddings``; at most that). chat_template: a Jinja file replacing
+    the model's template. tokenizer: a tokenizer directory replacing the model's (without either,
+    only token-id prompts are served). admission_cache_s: seconds the worker / queue
     snapshot is reused. disconnect_poll_s: seconds between client-disconnect checks while waiting.
     redis_max_connections: pooled Redis connections shared by requests. redis_pool_timeout_s:
     seconds a request waits for a free one before its 503. scheduler_grace_s: seconds without a
@@ -80,12 +92,14 @@ class GatewaySettings:
 
     redis_url: str
     model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     max_queue: int = 1024
     limits: RequestLimits = field(default_factory=RequestLimits)
     api_keys: ApiKeys | None = None
     protect_metrics: bool = False
     max_model_len: int | None = None
+    chat_template: str | None = None
+    tokenizer: str | None = None
     cache_dir: str | None = None
     admission_cache_s: float = 0.25
     disconnect_poll_s: float = 0.25
@@ -102,14 +116,20 @@ class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
         self.source = settings.source or resolve_model(settings.model, cache_dir=settings.cache_dir)
-        self.model_name = settings.served_model_name or self.source.name
-        self.tokenizer = self.source.load_tokenizer()
+        names = settings.served_model_name or self.source.name
+        self.model_names = [names] if isinstance(names, str) else list(names)
+        self.model_name = self.model_names[0]
+        self.tokenizer = load_tokenizer(self.source, settings.tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
-        config = self.source.config
-        self.max_model_len = settings.max_model_len or int(config.max_position_embeddings)
-        vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
-        self.vocab_size = vocab_size
-        self.encoder = PromptEncoder(self.tokenizer, vocab_size, self.max_model_len)
+        self.encoder = build_encoder(
+            self.source,
+            self.tokenizer,
+            max_model_len=settings.max_model_len,
+            chat_template=settings.chat_template,
+        )
+        self.max_model_len = self.encoder.max_model_len
+        self.vocab_size = self.encoder.vocab_size
+        self.defaults = generation_defaults(self.source.path)
         self.limiter = Limiter(settings.limits)
         self.gateway_id = uuid.uuid4().hex
         self.metrics = GatewayMetrics(self.model_name)
@@ -183,36 +203,61 @@ class Gateway:
         return data
 
     def parse(self, model: type, data: dict):
+        """The validated body and the unknown fields it ignores (see ``protocol.field_policy``)."""
         self.limiter.check_body(data)
         try:
             req = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
-        if req.model != self.model_name:
-            raise ModelNotFoundError(req.model, self.model_name)
+        ignored = field_policy(req)
+        self.check_model(req.model)
+        return req, ignored
+
+    def check_model(self, name: str | None) -> None:
+        """Raise ``ModelNotFoundError`` (404) unless ``name`` is None or one of the served names."""
+        if name is not None and name not in self.model_names:
+            raise ModelNotFoundError(name, ", ".join(self.model_names))
+
+    def parse_plain(self, model: type, data: dict):
+        """A validated utility body (``/tokenize``, ``/detokenize``) whose ``model`` is served."""
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        self.check_model(req.model)
         return req
 
     async def sequences(
         self, req: CompletionRequest | ChatCompletionRequest, chat: bool
     ) -> list[SequenceState]:
         """Tokenize, validate and give each of ``n`` sequences per prompt its seq_id (nothing sent yet)."""
-        self.encoder.check_n(req.n)
-        prompts = (
-            [self.encoder.chat_prompt(req.messages)] if chat else self.encoder.completion_prompts(req.prompt)
-        )
+        check_n(req.n)
+        echo = not chat and req.echo
+        if echo and req.stream:
+            raise InvalidRequestError("echo is not supported with stream", param="echo")
+        if chat:
+            prompts = [self.encoder.chat([m.model_dump(exclude_none=True) for m in req.messages])]
+        else:
+            prompts = self.encoder.encode_batch(req.prompt)
         lens = [len(ids) for ids in prompts]
         self.limiter.check_prompts(lens, "messages" if chat else "prompt")
         self.limiter.default_max_tokens(req, self.max_model_len - max(lens))
         plans = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
-                plans.append((p, ids, self.encoder.sampling_params(req, len(ids), j)))
+                plans.append((p, ids, sampling_params(req, self.encoder, len(ids), j, chat, self.defaults)))
         await self.admission.check()
         seq_ids = await self.router.next_seq_ids(len(plans))
-        seqs = []
-        for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True)):
-            detok = DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
-            seqs.append(SequenceState(choice, seq_id, p, ids, params, detok))
+        seqs = [
+            SequenceState(choice, seq_id, p, ids, params, self.tokenizer)
+            for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True))
+        ]
+        if echo:
+            texts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else None
+            texts = [req.prompt] if isinstance(req.prompt, str) else texts
+            for s in seqs:
+                s.echo = texts[s.prompt_index] if texts else self.tokenizer.decode(s.prompt_ids)
+                s.echo_only = req.max_tokens == 0
         return seqs
 
     async def generate(self, request: Request, chat: bool):
@@ -222,7 +267,8 @@ class Gateway:
         except ClientDisconnect:  # gone while uploading: nothing to answer, nothing to log loudly
             log.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
             return Response(status_code=499)
-        req = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        req, ignored = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         seqs = await self.sequences(req, chat)
         gen = Generation(
             self.router,
@@ -233,14 +279,14 @@ class Gateway:
             poll_s=self.settings.disconnect_poll_s,
         )
         gen.arrival = arrival
-        renderer = Renderer(self.tokenizer, self.model_name, chat, req.return_token_ids)
+        renderer = Renderer(self.tokenizer, req.model, chat, req.return_token_ids)
         await gen.submit()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 self._stream(gen, renderer, include_usage),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
             )
         try:
             await gen.run()
@@ -250,7 +296,7 @@ class Gateway:
             gen.abort()  # cancelled (server shutdown) or failed: free the sequences
             raise
         self.metrics.e2e.observe(time.monotonic() - arrival)
-        return JSONResponse(renderer.response(seqs))
+        return JSONResponse(renderer.response(seqs), headers=headers)
 
     async def _stream(self, gen: Generation, renderer: Renderer, include_usage: bool):
         try:
@@ -319,14 +365,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": gw.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "fuseserve",
-            "max_model_len": gw.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [utilities.model_card(gw, name) for name in gw.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        gw.check_model(model_id)
+        return utilities.model_card(gw, model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return utilities.tokenize(gw, gw.parse_plain(TokenizeRequest, await gw.read_json(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return utilities.detokenize(gw, gw.parse_plain(DetokenizeRequest, await gw.read_json(request)))
 
     @app.get("/health")
     async def health():
@@ -347,6 +399,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         served_model_name=getattr(args, "served_model_name", None),
         max_queue=int(getattr(args, "max_queue", None) or 1024),
         max_model_len=getattr(args, "max_model_len", None),
+        chat_template=getattr(args, "chat_template", None),
+        tokenizer=getattr(args, "tokenizer", None),
         cache_dir=getattr(args, "cache_dir", None),
         limits=RequestLimits(
             **{
@@ -366,8 +420,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     """``fuseserve gateway``: serve the app with uvicorn until interrupted; returns the exit code.
 
     Reads ``args.redis_url``, ``model``, ``host`` (default 127.0.0.1), ``port`` (8000), ``max_queue``,
-    ``log_level`` (info), and optionally ``served_model_name``, ``max_model_len``, ``cache_dir``,
-    ``api_key``, ``api_key_file``, ``protect_metrics`` and the ``RequestLimits`` fields.
+    ``log_level`` (info), and optionally ``served_model_name`` (one or more), ``max_model_len``,
+    ``chat_template``, ``tokenizer``, ``cache_dir``, ``api_key``, ``api_key_file``,
+    ``protect_metrics`` and the ``RequestLimits`` fields.
     """
     import uvicorn
 

@@ -105,6 +105,14 @@ class SchedulerMetrics:
             buckets=_IDLE_BUCKETS,
             registry=r,
         )
+        self._chosen_budget = Histogram(
+            "fuseserve_iteration_token_budget",
+            "Token budget chosen for each planned pass, per worker: the fixed budget, or sized from "
+            "--target-itl / --target-prefill-rate (compare with fuseserve_iteration_tokens_total)",
+            ["model_name", "worker"],
+            buckets=_PASS_BUCKETS,
+            registry=r,
+        )
         r.register(_Budgets(self))
         self._families = (
             self._waiting,
@@ -112,6 +120,7 @@ class SchedulerMetrics:
             self._workers,
             self._preemptions,
             self._iteration,
+            self._chosen_budget,
             self._plan_seconds,
             self._queue_time,
             self._cpu,
@@ -160,6 +169,11 @@ class SchedulerMetrics:
         """Observe the passes ``core`` (an ``EngineCore``) plans, and read its workers' budgets."""
         self.scheduler = core.scheduler
         core.on_plans = self.observe_plans
+        core.scheduler.pass_observers.append(self.observe_budget)
+
+    def observe_budget(self, worker: str, token_budget: int, _num_tokens: int) -> None:
+        """The budget chosen for one planned pass (``Scheduler.pass_observers``)."""
+        self._chosen_budget.labels(self.model_name, worker).observe(token_budget)
 
     def note_arrival(self, seq_id: int) -> None:
         """A sequence entered the queue now (not for one taken over from a dead scheduler: its
@@ -184,7 +198,8 @@ class SchedulerMetrics:
 
     def drop_worker(self, worker: str) -> None:
         """Forget a departed worker's pass histogram (its history stays in Prometheus)."""
-        try:
-            self._iteration.remove(self.model_name, worker)
-        except KeyError:
-            pass
+        for fam in (self._iteration, self._chosen_budget):
+            try:
+                fam.remove(self.model_name, worker)
+            except KeyError:
+                pass

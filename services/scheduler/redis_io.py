@@ -182,6 +182,7 @@ def token_message(ev: TokenEvent) -> messages.TokenMessage:
         logprob=tok.logprob if tok else None,
         top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok and tok.top_logprobs else [],
         hidden=ev.hidden,
+        prompt_logprobs=messages.prompt_logprobs_to_wire(ev.prompt_logprobs),
         finish_reason=ev.finish_reason.value if ev.finish_reason else None,
         error=None
         if ev.error is None

@@ -28,7 +28,6 @@ import itertools
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -40,9 +39,10 @@ import redis
 
 from fuseserve import messages
 from fuseserve.config import EngineConfig
+from fuseserve.drain import DrainSignal
 from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.scheduler import redis_io
+from fuseserve.scheduler import drain, redis_io
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.metrics import SchedulerMetrics
 from fuseserve.scheduler.redis_io import RedisInbox
@@ -96,6 +96,8 @@ class SchedulerService:
         self._room_changed = True  # recompute ``room`` for the request reader
         self._no_worker_since: float | None = None
         self._cpu0 = time.process_time()
+        self.accepting = True  # reads new requests (False while draining: ``scheduler.drain``)
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -163,9 +165,11 @@ class SchedulerService:
 
     def room(self) -> int:
         """New sequences this scheduler's workers could take now (pull-based reading): free
-        sequence slots of its workers, less the sequences already waiting."""
+        sequence slots of its workers, less the sequences already waiting; 0 while draining."""
+        if not self.accepting:
+            return 0
         cap = self.config.max_num_seqs
-        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values())
+        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values() if not s.draining)
         return free - len(self.scheduler.waiting)
 
     def _apply_inbox(self) -> None:
@@ -181,7 +185,7 @@ class SchedulerService:
                 self._apply_control(entries)
             else:
                 nogroup = True
-        if batches or self._room_changed:
+        if batches or self._room_changed or not self.accepting:  # draining: room 0 at once
             self._room_changed = False
             self.inbox.set_room(self.room(), batches)
         if nogroup:
@@ -338,17 +342,23 @@ class SchedulerService:
             stop.wait(messages.HEARTBEAT_S)
 
     def close(self) -> None:
-        """Give up this scheduler's worker leases and liveness key (a clean stop: others take over at once)."""
-        self.leases.release_all()
+        """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished
+        requests back (``drain.hand_back``) and release its worker leases, so others take over at once."""
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         try:
             self.r.delete(messages.scheduler_live_key(self.consumer))
-        except redis.RedisError:
-            pass
+            if self.owners:
+                log.info("handed %d unfinished requests back", drain.hand_back(self))
+        except redis.RedisError as e:
+            log.warning("could not hand requests back (%s); they are claimed once idle", e)
+        self.leases.release_all()
         self.core.close()
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""
-        threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True)
+        self._heartbeat.start()
         ready = False
         while not stop.is_set():
             try:
@@ -368,18 +378,21 @@ class SchedulerService:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT."""
+    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain
+    (``fuseserve.scheduler.drain``) and exit."""
     config = EngineConfig(
         token_budget=args.token_budget,
         max_num_seqs=args.max_num_seqs,
         policy=args.policy,
         block_size=args.block_size,
         overlap=getattr(args, "overlap", True),
+        target_itl=getattr(args, "target_itl", None),
+        target_prefill_rate=getattr(args, "target_prefill_rate", None),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
+    threading.Thread(target=drain.watch, args=(service, signals, stop), name="drain", daemon=True).start()
     print("fuseserve scheduler ready", flush=True)
     service.run(stop)
     service.close()

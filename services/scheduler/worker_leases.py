@@ -67,10 +67,12 @@ class WorkerLeases:
                     "worker %s is gone%s; resuming its sequences elsewhere", wid, " (lease lost)" * lost
                 )
                 self.drop(wid)
+            elif records[wid].draining:
+                self.core.drain_worker(wid)  # no new sequences there; its running ones finish
         live = sum(1 for _ in self.r.scan_iter(match=messages.scheduler_live_key("*"), count=1000))
         share = math.ceil(len(records) / max(1, live))
         for wid, rec in records.items():
-            if wid in self.core.workers or len(self.core.workers) >= share:
+            if wid in self.core.workers or len(self.core.workers) >= share or rec.draining:
                 continue
             self._claim(wid, rec)
         scheduler = self.core.scheduler
@@ -135,4 +137,7 @@ class WorkerLeases:
     def release_all(self) -> None:
         """Give up every worker (a clean stop: other schedulers take them over at once)."""
         for wid in list(self.leased):
-            self.drop(wid)
+            try:
+                self.drop(wid)
+            except redis.RedisError:
+                pass  # the lease expires

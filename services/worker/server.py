@@ -8,13 +8,17 @@ model, sizes its KV cache, chooses its token budget (profiling, cached), serves
 ``--simulate PRESET [--simulate-slowdown F]`` serves the same server with a ``SimulatedRunner``
 (``sim_runner.py``): no model, no torch; the token budget defaults to the preset's knee and the KV
 blocks to its capacity (or ``--kv-cache-memory`` at the preset's bytes per token).
+
+SIGTERM drains the worker (``fuseserve.drain``; ``--drain-timeout``): its record says ``draining``, so
+its scheduler places no new sequence on it; it serves its running sequences to their end, then
+deletes its record and exits 0. At the deadline (or a second signal) it deletes its record and stops
+serving: the sequences still on it recompute on other workers (the scheduler's lost-worker path).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 import threading
 import time
@@ -24,6 +28,7 @@ from concurrent import futures
 import grpc
 
 from fuseserve import messages
+from fuseserve.drain import DrainSignal
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
@@ -185,8 +190,23 @@ def simulated_runner(args: argparse.Namespace):
     return runner, str(args.model), args.token_budget or model.knee()
 
 
+def wait_drained(runner, drain: DrainSignal) -> int:
+    """After the drain notice: wait until ``runner`` has held no sequence for ``DRAIN_NOTICE_S`` since
+    the notice (no scheduler places one on it any more), or until ``drain`` expires. Returns the
+    number of sequences still held (to be handed back), 0 when drained."""
+    notice = time.monotonic()
+    while not drain.expired():
+        if not runner.seqs and time.monotonic() - notice >= messages.DRAIN_NOTICE_S:
+            return 0
+        drain.wait(0.05)
+    n = len(runner.seqs)
+    if n:
+        log.warning("drain deadline: handing %d sequences back for recompute elsewhere", n)
+    return n
+
+
 def run_worker(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve worker``: serve until SIGTERM / SIGINT."""
+    """Entry point of ``fuseserve worker``: serve until SIGTERM / SIGINT, then drain and exit."""
     import redis
 
     worker_id = getattr(args, "worker_id", None) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -215,16 +235,22 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     r = redis.Redis.from_url(args.redis_url)
     stop = threading.Event()
+    register = threading.Lock()  # one writer of the record at a time (the drain notice must stick)
 
-    def heartbeat() -> None:
-        while not stop.is_set():
+    def write_record() -> None:
+        with register:
             try:
                 r.set(messages.worker_key(worker_id), record.encode(), ex=messages.WORKER_TTL_S)
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)
+
+    def heartbeat() -> None:
+        while not stop.is_set():
+            write_record()
             stop.wait(messages.HEARTBEAT_S)
 
-    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
+    beat = threading.Thread(target=heartbeat, name="heartbeat", daemon=True)
+    beat.start()
     log.info(
         "worker %s serving %s at %s (%d KV blocks, token budget %d%s)",
         worker_id,
@@ -236,17 +262,21 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     print(f"fuseserve worker {worker_id} ready at {address}", flush=True)
 
-    def shutdown(*_):
-        stop.set()
-
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
-    stop.wait()
-    try:
-        r.delete(messages.worker_key(worker_id))
-    except redis.RedisError:
-        pass
-    server.stop(grace=2).wait()
+    drain = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
+    drain.requested.wait()
+    with register:
+        record.draining = True
+    write_record()
+    handed_back = wait_drained(runner, drain)
+    stop.set()
+    beat.join()
+    with register:
+        try:
+            r.delete(messages.worker_key(worker_id))
+        except redis.RedisError:
+            pass
+    server.stop(grace=2).wait()  # plans still arriving are refused: their sequences recompute elsewhere
+    log.info("worker %s drained (%d sequences handed back)", worker_id, handed_back)
     if hasattr(runner, "close"):  # a tensor-parallel runner stops its other ranks
         runner.close()
     return 0
