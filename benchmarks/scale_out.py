@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -167,7 +166,7 @@ class Bench:
         while time.monotonic() < deadline:
             self.stack.check_alive()
             recs = {i: self.r.get(messages.worker_key(i)) for i in ids}
-            stats = json.loads(self.r.get(messages.SCHEDULER_STATS) or "{}")
+            stats = messages.read_scheduler_stats(self.r)
             if all(recs.values()) and set(ids) == set(stats.get("workers", {})):
                 return [
                     WorkerProbe(i, self.pid(i), messages.WorkerRecord.decode(recs[i]).metrics_port, f)
@@ -275,7 +274,7 @@ class Bench:
         """Wait until the scheduler reports (after ``since``, epoch s) that it holds no sequence."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            stats = json.loads(self.r.get(messages.SCHEDULER_STATS) or "{}")
+            stats = messages.read_scheduler_stats(self.r)
             idle = stats.get("waiting", 1) == 0 and stats.get("running", 1) == 0
             if idle and stats.get("time", 0) > since:
                 return

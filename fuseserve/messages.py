@@ -18,11 +18,12 @@ Keys and streams (all JSON in a single ``data`` field):
   unfinished requests within that time).
 - A sequence that waits with no live worker for ``NO_WORKER_GRACE_S`` is failed by the scheduler
   with a 503 error event.
-- ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t, "workers": {id:
-  {"admitted", "running", "free_blocks", "num_blocks"}}}``, written each second (the gateway
-  answers 429 when too many requests wait). With several schedulers each also writes its own
-  ``scheduler_stats_key(consumer)`` (with its ``pid``, CPU per worker-step, worker idle times and
-  ``metrics_host`` / ``metrics_port``, its Prometheus endpoint, port null when not served); ``SCHEDULER_STATS`` is then the last one written.
+- ``scheduler_stats_key(consumer)``: each scheduler's own ``{"waiting": n, "running": n, "time": t,
+  "workers": {id: {"admitted", "running", "free_blocks", "num_blocks"}}, ...}`` (with its ``pid``,
+  CPU per worker-step, worker idle times and ``metrics_host`` / ``metrics_port``, its Prometheus
+  endpoint, port null when not served), written each second with a TTL. Readers add them up
+  (``merge_scheduler_stats``, ``read_scheduler_stats``): the gateway answers 429 when too many
+  requests wait in all schedulers together.
 
 Several schedulers share the consumer group:
 
@@ -52,6 +53,7 @@ Graceful drain (SIGTERM, ``--drain-timeout``, default ``DRAIN_TIMEOUT_S``):
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 
 PREFIX = "fuseserve"
@@ -59,7 +61,7 @@ REQUESTS = f"{PREFIX}:requests"
 SCHEDULER_GROUP = "schedulers"
 CONTROL = f"{PREFIX}:control"
 SEQ_COUNTER = f"{PREFIX}:seq_counter"
-SCHEDULER_STATS = f"{PREFIX}:scheduler:stats"
+SCHEDULER_STATS = f"{PREFIX}:scheduler:stats"  # prefix of the schedulers' stats keys
 SCHEDULER_HEARTBEAT = f"{PREFIX}:scheduler:heartbeat"
 SCHEDULER_TTL_S = 5  # seconds the heartbeat key lives without a refresh
 SCHEDULER_GRACE_S = 30.0  # seconds without a scheduler before in-flight requests fail
@@ -98,8 +100,45 @@ def scheduler_live_key(consumer: str) -> str:
 
 
 def scheduler_stats_key(consumer: str) -> str:
-    """One scheduler's own stats record."""
+    """One scheduler's own stats record (``SCHEDULER_STATS_PATTERN`` matches them all)."""
     return f"{SCHEDULER_STATS}:{consumer}"
+
+
+SCHEDULER_STATS_PATTERN = f"{SCHEDULER_STATS}:*"
+SCHEDULER_STATS_MAX_AGE_S = 30.0  # a record older than this (seconds) is a dead scheduler's: ignored
+
+
+def merge_scheduler_stats(raws: list, now: float) -> dict:
+    """The engine's stats from the schedulers' own records (JSON strings; None or unparsable ones and
+    those older than ``SCHEDULER_STATS_MAX_AGE_S`` at epoch ``now`` are skipped).
+
+    Returns ``{"waiting", "running", "time", "workers", "schedulers"}``: counts summed over the
+    schedulers, their worker maps merged (each worker is driven by one scheduler), ``time`` the newest
+    record's, ``schedulers`` how many records were merged; ``{}`` when there is none.
+    """
+    out: dict = {}
+    for raw in raws:
+        try:
+            rec = json.loads(raw) if raw else None
+            fresh = rec is not None and now - float(rec.get("time", 0)) <= SCHEDULER_STATS_MAX_AGE_S
+        except (ValueError, TypeError, AttributeError):
+            continue
+        if not fresh:
+            continue
+        if not out:
+            out = {"waiting": 0, "running": 0, "time": 0.0, "workers": {}, "schedulers": 0}
+        out["waiting"] += int(rec.get("waiting", 0))
+        out["running"] += int(rec.get("running", 0))
+        out["time"] = max(out["time"], float(rec["time"]))
+        out["workers"].update(rec.get("workers", {}))
+        out["schedulers"] += 1
+    return out
+
+
+def read_scheduler_stats(r) -> dict:
+    """``merge_scheduler_stats`` of every scheduler's record, read with the (synchronous) Redis client ``r``."""
+    keys = list(r.scan_iter(match=SCHEDULER_STATS_PATTERN, count=1000))
+    return merge_scheduler_stats(r.mget(keys) if keys else [], time.time())
 
 
 @dataclass
@@ -156,7 +195,9 @@ def prompt_logprobs_to_wire(p) -> dict | None:
 
 
 def encode_events(events: list[TokenMessage]) -> dict[str, str]:
-    return {"data": json.dumps({"events": [asdict(e) for e in events]})}
+    """One stream entry for a batch of events (the fields are plain values: ``vars``, not the
+    recursive copy of ``asdict``, which cost more than the rest of the write)."""
+    return {"data": json.dumps({"events": [vars(e) for e in events]})}
 
 
 def decode_events(fields: dict) -> list[TokenMessage]:

@@ -2,7 +2,7 @@
 
 ``FakeScheduler`` speaks the real contract (``fuseserve.messages``): it reads ``REQUESTS`` through
 the consumer group, keeps the ``SCHEDULER_HEARTBEAT`` key alive (with its TTL), registers a worker
-key, writes ``SCHEDULER_STATS``, reads ``CONTROL`` aborts,
+key, writes a scheduler stats record (``scheduler_stats_key``), reads ``CONTROL`` aborts,
 and each "step" XADDs one event per live sequence to the owning gateway's response stream. A
 sequence's output echoes its prompt ids (cycled when ``ignore_eos``), then a hidden EOS with
 finish "stop", or finish "length" at ``max_new_tokens``.
@@ -24,7 +24,6 @@ from fuseserve.messages import (
     REQUESTS,
     SCHEDULER_GROUP,
     SCHEDULER_HEARTBEAT,
-    SCHEDULER_STATS,
     SCHEDULER_TTL_S,
     ControlMessage,
     RequestMessage,
@@ -32,6 +31,7 @@ from fuseserve.messages import (
     WorkerRecord,
     encode_events,
     responses_stream,
+    scheduler_stats_key,
     worker_key,
 )
 from fuseserve.redis_launcher import free_port
@@ -104,7 +104,10 @@ class FakeScheduler:
         self.r.delete(worker_key("fake"))
 
     def set_waiting(self, waiting: int) -> None:
-        self.r.set(SCHEDULER_STATS, json.dumps({"waiting": waiting, "running": 0, "time": time.time()}))
+        self.r.set(
+            scheduler_stats_key("harness"),
+            json.dumps({"waiting": waiting, "running": 0, "time": time.time()}),
+        )
 
     def aborts_for(self, seq_ids) -> list[ControlMessage]:
         return [a for a in self.aborts if a.seq_id in set(seq_ids)]

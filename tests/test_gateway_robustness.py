@@ -25,6 +25,7 @@ from gateway_harness import FakeScheduler, ServedApp
 
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.app import GatewaySettings, create_app
+from fuseserve.messages import SCHEDULER_STATS_PATTERN
 from fuseserve.redis_launcher import find_redis_server, free_port
 
 # isort: split
@@ -157,19 +158,22 @@ def test_admission_snapshot_is_single_flight():
         def exists(self, key):
             pass
 
-        def get(self, key):
+        def mget(self, keys):
             pass
 
         async def execute(self):
             await asyncio.sleep(0.01)
-            return [1, json.dumps({"waiting": 3, "time": time.time()})]
+            return [1, [json.dumps({"waiting": 3, "time": time.time()})]]
 
     class Redis:
-        scans = 0
+        scans = 0  # refreshes: scans of the worker records
 
         async def scan_iter(self, match, count):
-            Redis.scans += 1
             await asyncio.sleep(0.01)
+            if match == SCHEDULER_STATS_PATTERN:
+                yield "fuseserve:scheduler:stats:s1"
+                return
+            Redis.scans += 1
             yield "fuseserve:worker:a"
 
         def pipeline(self, transaction):

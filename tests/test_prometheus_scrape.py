@@ -70,7 +70,11 @@ def stack_targets(redis_url: str, gateway_port: int) -> dict[str, list[str]]:
         messages.WorkerRecord.decode(r.get(k)) for k in r.scan_iter(match=f"{messages.WORKER_PREFIX}*")
     ]
     deadline = time.monotonic() + 10
-    while not (stats := r.get(messages.SCHEDULER_STATS)) or not json.loads(stats).get("metrics_port"):
+
+    def own_stats() -> str | None:  # the (one) scheduler's own stats record
+        return next((r.get(k) for k in r.scan_iter(match=messages.SCHEDULER_STATS_PATTERN)), None)
+
+    while not (stats := own_stats()) or not json.loads(stats).get("metrics_port"):
         assert time.monotonic() < deadline, "the scheduler published no metrics port"
         time.sleep(0.2)
     return {

@@ -117,11 +117,11 @@ async def _burst(url: str, n: int) -> list[tuple[int, dict, str]]:
 
 
 def _kv_in_use(r: redis.Redis) -> int | None:
-    """KV blocks in use over all workers, from the scheduler's stats (None before the first write)."""
-    raw = r.get(messages.SCHEDULER_STATS)
-    if not raw:
+    """KV blocks in use over all workers, from the schedulers' stats (None before the first write)."""
+    stats = messages.read_scheduler_stats(r)
+    if not stats:
         return None
-    workers = json.loads(raw)["workers"]
+    workers = stats["workers"]
     return sum(w["num_blocks"] - w["free_blocks"] for w in workers.values())
 
 

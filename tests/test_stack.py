@@ -57,13 +57,13 @@ def test_concurrent_requests_use_both_workers_and_match_pipeline(stack, client, 
     def ask(p):
         return client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
 
-    before = json.loads(redis_client(stack).get(messages.SCHEDULER_STATS))["workers"]
+    before = messages.read_scheduler_stats(redis_client(stack))["workers"]
     with concurrent.futures.ThreadPoolExecutor(32) as ex:
         got = list(ex.map(ask, prompts))
     expected = [r.text for r in pipe(prompts, max_new_tokens=12, temperature=0.0)]
     assert got == expected
     time.sleep(1.5)  # stats are written each second
-    after = json.loads(redis_client(stack).get(messages.SCHEDULER_STATS))["workers"]
+    after = messages.read_scheduler_stats(redis_client(stack))["workers"]
     served = {w: after[w]["admitted"] - before.get(w, {}).get("admitted", 0) for w in after}
     assert len(served) == 2 and all(n > 0 for n in served.values()), served
     assert sum(served.values()) >= 32
