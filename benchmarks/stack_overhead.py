@@ -173,16 +173,19 @@ def throughput(num_requests: int, new_tokens: int, clients: int, overlap: bool) 
 
 
 def scheduler_stats(redis_url: str) -> dict | None:
-    """The scheduler's last stats record (``fuseserve.messages.SCHEDULER_STATS``), if it wrote one."""
+    """The scheduler's own stats record (``fuseserve.messages.scheduler_stats_key``), if it wrote one."""
     import json
 
     import redis
 
     from fuseserve import messages
 
-    raw = redis.Redis.from_url(redis_url, decode_responses=True).get(messages.SCHEDULER_STATS)
-    stats = json.loads(raw) if raw else None
-    return stats if stats and "worker_idle_ms" in stats else None
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    for key in r.scan_iter(match=messages.SCHEDULER_STATS_PATTERN):
+        stats = json.loads(r.get(key) or "null")
+        if stats and "worker_idle_ms" in stats:
+            return stats
+    return None
 
 
 def main() -> None:

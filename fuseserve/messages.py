@@ -18,11 +18,12 @@ Keys and streams (all JSON in a single ``data`` field):
   unfinished requests within that time).
 - A sequence that waits with no live worker for ``NO_WORKER_GRACE_S`` is failed by the scheduler
   with a 503 error event.
-- ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t, "workers": {id:
-  {"admitted", "running", "free_blocks", "num_blocks"}}}``, written each second (the gateway
-  answers 429 when too many requests wait). With several schedulers each also writes its own
-  ``scheduler_stats_key(consumer)`` (with its ``pid``, CPU per worker-step and worker idle times);
-  ``SCHEDULER_STATS`` is then the last one written.
+- ``scheduler_stats_key(consumer)``: each scheduler's own ``{"waiting": n, "running": n, "time": t,
+  "workers": {id: {"admitted", "running", "free_blocks", "num_blocks"}}, ...}`` (with its ``pid``,
+  CPU per worker-step, worker idle times and ``metrics_host`` / ``metrics_port``, its Prometheus
+  endpoint, port null when not served), written each second with a TTL. Readers add them up
+  (``merge_scheduler_stats``, ``read_scheduler_stats``): the gateway answers 429 when too many
+  requests wait in all schedulers together.
 
 Several schedulers share the consumer group:
 
@@ -35,11 +36,24 @@ Several schedulers share the consumer group:
 - A live scheduler re-delivers its pending entries to itself every ``HEARTBEAT_S`` (XCLAIM, which
   resets their idle time); an entry idle for ``CLAIM_IDLE_MS`` therefore belongs to a dead
   scheduler, and a scheduler with room takes it over with XAUTOCLAIM.
+
+Graceful drain (SIGTERM, ``--drain-timeout``, default ``DRAIN_TIMEOUT_S``):
+
+- A draining worker rewrites its record with ``draining: true``; the scheduler that drives it places
+  no new sequence on it and lets its running ones finish. The worker exits once it has held no
+  sequence for ``DRAIN_NOTICE_S`` after the notice (every scheduler has read it by then), or at the
+  deadline; either way it deletes its record first, and a sequence still on it recomputes elsewhere
+  (the lost-worker path).
+- A draining scheduler reads no new requests. It finishes its sequences within the deadline when it
+  is the only live scheduler; when others live (or at the deadline) it hands everything back at once:
+  its pending entries are marked idle (XCLAIM with ``IDLE`` ``HANDBACK_IDLE_MS``), so the next
+  XAUTOCLAIM of another scheduler takes them, and its worker leases are deleted, not left to expire.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 
 PREFIX = "fuseserve"
@@ -47,7 +61,7 @@ REQUESTS = f"{PREFIX}:requests"
 SCHEDULER_GROUP = "schedulers"
 CONTROL = f"{PREFIX}:control"
 SEQ_COUNTER = f"{PREFIX}:seq_counter"
-SCHEDULER_STATS = f"{PREFIX}:scheduler:stats"
+SCHEDULER_STATS = f"{PREFIX}:scheduler:stats"  # prefix of the schedulers' stats keys
 SCHEDULER_HEARTBEAT = f"{PREFIX}:scheduler:heartbeat"
 SCHEDULER_TTL_S = 5  # seconds the heartbeat key lives without a refresh
 SCHEDULER_GRACE_S = 30.0  # seconds without a scheduler before in-flight requests fail
@@ -59,6 +73,12 @@ HEARTBEAT_S = 2  # seconds between heartbeats
 #: every HEARTBEAT_S)
 CLAIM_IDLE_MS = int((SCHEDULER_TTL_S + 2) * 1000)
 RESPONSE_STREAM_MAXLEN = 100_000
+DRAIN_TIMEOUT_S = 30.0  # default seconds a draining worker or scheduler may finish its sequences in
+#: seconds a draining worker waits after its notice before it may exit (schedulers discover workers
+#: every 0.5 s, so none places a sequence on it after this)
+DRAIN_NOTICE_S = 1.5
+#: the idle time a draining scheduler gives its pending entries: past CLAIM_IDLE_MS, claimable at once
+HANDBACK_IDLE_MS = 10 * CLAIM_IDLE_MS
 
 
 def responses_stream(gateway_id: str) -> str:
@@ -80,8 +100,45 @@ def scheduler_live_key(consumer: str) -> str:
 
 
 def scheduler_stats_key(consumer: str) -> str:
-    """One scheduler's own stats record."""
+    """One scheduler's own stats record (``SCHEDULER_STATS_PATTERN`` matches them all)."""
     return f"{SCHEDULER_STATS}:{consumer}"
+
+
+SCHEDULER_STATS_PATTERN = f"{SCHEDULER_STATS}:*"
+SCHEDULER_STATS_MAX_AGE_S = 30.0  # a record older than this (seconds) is a dead scheduler's: ignored
+
+
+def merge_scheduler_stats(raws: list, now: float) -> dict:
+    """The engine's stats from the schedulers' own records (JSON strings; None or unparsable ones and
+    those older than ``SCHEDULER_STATS_MAX_AGE_S`` at epoch ``now`` are skipped).
+
+    Returns ``{"waiting", "running", "time", "workers", "schedulers"}``: counts summed over the
+    schedulers, their worker maps merged (each worker is driven by one scheduler), ``time`` the newest
+    record's, ``schedulers`` how many records were merged; ``{}`` when there is none.
+    """
+    out: dict = {}
+    for raw in raws:
+        try:
+            rec = json.loads(raw) if raw else None
+            fresh = rec is not None and now - float(rec.get("time", 0)) <= SCHEDULER_STATS_MAX_AGE_S
+        except (ValueError, TypeError, AttributeError):
+            continue
+        if not fresh:
+            continue
+        if not out:
+            out = {"waiting": 0, "running": 0, "time": 0.0, "workers": {}, "schedulers": 0}
+        out["waiting"] += int(rec.get("waiting", 0))
+        out["running"] += int(rec.get("running", 0))
+        out["time"] = max(out["time"], float(rec["time"]))
+        out["workers"].update(rec.get("workers", {}))
+        out["schedulers"] += 1
+    return out
+
+
+def read_scheduler_stats(r) -> dict:
+    """``merge_scheduler_stats`` of every scheduler's record, read with the (synchronous) Redis client ``r``."""
+    keys = list(r.scan_iter(match=SCHEDULER_STATS_PATTERN, count=1000))
+    return merge_scheduler_stats(r.mget(keys) if keys else [], time.time())
 
 
 @dataclass
@@ -117,6 +174,8 @@ class TokenMessage:
     finish_reason: "stop" | "length" | "abort" on the sequence's last event, else None.
     error: ``{"message", "type", "status"}`` when the scheduler rejected the request.
     cached_tokens: on the first token's event (index 0): prompt tokens found in the prefix cache.
+    prompt_logprobs: ``{"start_pos", "logprobs", "top": [[[token_id, logprob], ...], ...]}`` for an
+        event carrying prompt-token logprobs (no token), else None.
     """
 
     seq_id: int
@@ -128,10 +187,21 @@ class TokenMessage:
     finish_reason: str | None = None
     error: dict | None = None
     cached_tokens: int = 0
+    prompt_logprobs: dict | None = None
+
+
+def prompt_logprobs_to_wire(p) -> dict | None:
+    """A ``fuseserve.types.PromptLogprobs`` as ``TokenMessage.prompt_logprobs`` (None stays None)."""
+    if p is None:
+        return None
+    top = [[[t.token_id, t.logprob] for t in alts] for alts in p.top]
+    return {"start_pos": p.start_pos, "logprobs": list(p.logprobs), "top": top}
 
 
 def encode_events(events: list[TokenMessage]) -> dict[str, str]:
-    return {"data": json.dumps({"events": [asdict(e) for e in events]})}
+    """One stream entry for a batch of events (the fields are plain values: ``vars``, not the
+    recursive copy of ``asdict``, which cost more than the rest of the write)."""
+    return {"data": json.dumps({"events": [vars(e) for e in events]})}
 
 
 def decode_events(fields: dict) -> list[TokenMessage]:
@@ -170,6 +240,7 @@ class WorkerRecord:
     eos_token_ids: list[int]
     token_budget: int
     metrics_port: int | None = None
+    draining: bool = False  # told to stop (SIGTERM): no new sequences, finishing its running ones
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -17,6 +17,8 @@ class Response:
     finish_reason: ``"stop"`` (EOS, stop token, stop string), ``"length"`` or ``"abort"``.
     logprobs: per generated token, its logprob (when requested), else empty.
     top_logprobs: per generated token, the top-N alternatives (when requested), else empty.
+    prompt_logprobs: with ``prompt_logprobs=N``, per prompt position a ``TokenLogprobs`` (the prompt
+        token's id, logprob and top-N alternatives; None at position 0), else None.
     cached_tokens: prompt tokens whose KV came from the prefix cache (not computed again).
     """
 
@@ -27,4 +29,5 @@ class Response:
     finish_reason: str
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: list | None = None
     cached_tokens: int = 0

@@ -2,7 +2,7 @@
 
 ``FakeScheduler`` speaks the real contract (``fuseserve.messages``): it reads ``REQUESTS`` through
 the consumer group, keeps the ``SCHEDULER_HEARTBEAT`` key alive (with its TTL), registers a worker
-key, writes ``SCHEDULER_STATS``, reads ``CONTROL`` aborts,
+key, writes a scheduler stats record (``scheduler_stats_key``), reads ``CONTROL`` aborts,
 and each "step" XADDs one event per live sequence to the owning gateway's response stream. A
 sequence's output echoes its prompt ids (cycled when ``ignore_eos``), then a hidden EOS with
 finish "stop", or finish "length" at ``max_new_tokens``.
@@ -24,7 +24,6 @@ from fuseserve.messages import (
     REQUESTS,
     SCHEDULER_GROUP,
     SCHEDULER_HEARTBEAT,
-    SCHEDULER_STATS,
     SCHEDULER_TTL_S,
     ControlMessage,
     RequestMessage,
@@ -32,6 +31,7 @@ from fuseserve.messages import (
     WorkerRecord,
     encode_events,
     responses_stream,
+    scheduler_stats_key,
     worker_key,
 )
 from fuseserve.redis_launcher import free_port
@@ -52,6 +52,7 @@ class FakeScheduler:
     would (no heartbeat, no events); ``revive()`` restarts it with no sequence in flight."""
 
     def __init__(self, url: str):
+        self.url = url  # the Redis URL (with its password)
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.token_delay = 0.0
         self.error_next: dict | None = None
@@ -103,7 +104,10 @@ class FakeScheduler:
         self.r.delete(worker_key("fake"))
 
     def set_waiting(self, waiting: int) -> None:
-        self.r.set(SCHEDULER_STATS, json.dumps({"waiting": waiting, "running": 0, "time": time.time()}))
+        self.r.set(
+            scheduler_stats_key("harness"),
+            json.dumps({"waiting": waiting, "running": 0, "time": time.time()}),
+        )
 
     def aborts_for(self, seq_ids) -> list[ControlMessage]:
         return [a for a in self.aborts if a.seq_id in set(seq_ids)]
@@ -182,10 +186,12 @@ class FakeScheduler:
 class ServedApp:
     """An ASGI app served by uvicorn in a thread on a free loopback port; ``url`` is its base URL."""
 
-    def __init__(self, app, startup_timeout: float = 20.0):
+    def __init__(self, app, startup_timeout: float = 20.0, **config):
+        """``config``: more ``uvicorn.Config`` options (``log_level`` defaults to "warning")."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = {"log_level": "warning", **config}
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, lifespan="on", **config)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self._thread.start()

@@ -4,6 +4,9 @@ Started by the same code as ``fuseserve serve`` (``fuseserve.launcher.start_stac
 official ``openai`` client and raw HTTP.
 """
 
+# Test parameters take the names of the fixtures imported from stack_harness (pyflakes: redefinitions).
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,7 +17,7 @@ import grpc
 import httpx
 import pytest
 import redis
-from stack_harness import MODEL, local_stack, openai_client
+from stack_harness import MODEL, openai_client, pipe, stack  # noqa: F401 (fixtures)
 
 from fuseserve import messages
 
@@ -22,25 +25,8 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_source):
-    with local_stack(token_budget=64, kv_cache_memory="128MiB", dtype="float32") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def client(stack):
     return openai_client(stack[1])
-
-
-@pytest.fixture(scope="module")
-def pipe(smollm2_source):
-    import fuseserve
-
-    p = fuseserve.pipeline(
-        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", dtype="float32", progress=False
-    )
-    yield p
-    p.close()
 
 
 def redis_client(stack) -> redis.Redis:
@@ -71,13 +57,13 @@ def test_concurrent_requests_use_both_workers_and_match_pipeline(stack, client, 
     def ask(p):
         return client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
 
-    before = json.loads(redis_client(stack).get(messages.SCHEDULER_STATS))["workers"]
+    before = messages.read_scheduler_stats(redis_client(stack))["workers"]
     with concurrent.futures.ThreadPoolExecutor(32) as ex:
         got = list(ex.map(ask, prompts))
     expected = [r.text for r in pipe(prompts, max_new_tokens=12, temperature=0.0)]
     assert got == expected
     time.sleep(1.5)  # stats are written each second
-    after = json.loads(redis_client(stack).get(messages.SCHEDULER_STATS))["workers"]
+    after = messages.read_scheduler_stats(redis_client(stack))["workers"]
     served = {w: after[w]["admitted"] - before.get(w, {}).get("admitted", 0) for w in after}
     assert len(served) == 2 and all(n > 0 for n in served.values()), served
     assert sum(served.values()) >= 32

@@ -2,15 +2,14 @@
 
 Every fact comes from Redis: the scheduler's heartbeat key ``SCHEDULER_HEARTBEAT`` (it expires
 ``SCHEDULER_TTL_S`` seconds after the scheduler's last beat), worker records ``fuseserve:worker:*``
-(they expire without a heartbeat) and ``SCHEDULER_STATS`` (``{"waiting", "running", "time"}``,
-written each second). They are read at most once per ``cache_s`` seconds, and one read at a time:
+(they expire without a heartbeat) and the schedulers' stats records (``{"waiting", "running",
+"time"}``, each scheduler its own, written each second; their ``waiting`` counts are added up). They are read at most once per ``cache_s`` seconds, and one read at a time:
 concurrent callers share the refresh in flight, so a burst of requests costs Redis one refresh.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
@@ -18,10 +17,12 @@ import redis.asyncio as aioredis
 
 from fuseserve.errors import NoWorkerError, QueueFullError
 from fuseserve.gateway.errors import SchedulerUnavailableError
-from fuseserve.messages import SCHEDULER_HEARTBEAT, SCHEDULER_STATS, WORKER_PREFIX
-
-STATS_MAX_AGE_S = 30.0
-"""Scheduler stats older than this (seconds) are ignored: a dead scheduler must not lock us out."""
+from fuseserve.messages import (
+    SCHEDULER_HEARTBEAT,
+    SCHEDULER_STATS_PATTERN,
+    WORKER_PREFIX,
+    merge_scheduler_stats,
+)
 
 
 @dataclass
@@ -77,18 +78,15 @@ class Admission:
         num_workers = 0
         async for _key in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=1000):
             num_workers += 1
+        stats_keys = [k async for k in self.redis.scan_iter(match=SCHEDULER_STATS_PATTERN, count=1000)]
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.exists(SCHEDULER_HEARTBEAT)
-            pipe.get(SCHEDULER_STATS)
-            alive, raw = await pipe.execute()
-        waiting = None
-        if raw:
-            try:
-                stats = json.loads(raw)
-                if time.time() - float(stats.get("time", 0)) <= STATS_MAX_AGE_S:
-                    waiting = int(stats.get("waiting", 0))
-            except (ValueError, TypeError, AttributeError):
-                waiting = None
+            if stats_keys:
+                pipe.mget(stats_keys)
+            alive, *raws = await pipe.execute()
+        # stale records (a dead scheduler's) are skipped: they must not lock us out
+        stats = merge_scheduler_stats(raws[0] if raws else [], time.time())
+        waiting = stats["waiting"] if stats else None
         return Snapshot(bool(alive), num_workers, waiting, now)
 
     async def check(self) -> Snapshot:

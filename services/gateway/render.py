@@ -4,6 +4,11 @@ Completions logprobs: ``{"tokens", "token_logprobs", "top_logprobs": [{token: lo
 Chat logprobs: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}]}]}``. Logprobs cover the visible tokens (a hidden EOS / stop token is counted in usage only).
 
+Completions' ``echo``: the text starts with the prompt and, with ``logprobs``, the logprobs start
+with the prompt's tokens (the first one's logprob is null: nothing precedes it). With
+``max_tokens`` 0 only the prompt is returned (finish "length", no completion tokens): scoring, as
+lm-eval's loglikelihood requests use it.
+
 A streamed error (the scheduler rejected a sequence after the 200 was sent) is one event
 ``data: {"error": {"message", "type", "param", "code", "status"}}`` (``status``: the HTTP status
 the request would have had), then ``data: [DONE]``.
@@ -20,7 +25,8 @@ import json
 import time
 import uuid
 
-from fuseserve.gateway.generation import Delta, SequenceState, TokenLogprobs
+from fuseserve.frontend.output import Delta, TokenLogprobs
+from fuseserve.gateway.generation import SequenceState
 
 
 def sse(payload: dict | str) -> bytes:
@@ -43,18 +49,26 @@ class Renderer:
 
     # ------------------------------------------------------------------ pieces
     def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:  # served without a tokenizer: vLLM's token-id form
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    @staticmethod
+    def _prompt_entries(s: SequenceState) -> list[TokenLogprobs]:
+        """The prompt's tokens as logprob entries (the first has none: nothing precedes it)."""
+        got = s.prompt_logprobs or [None] * len(s.prompt_ids)
+        return [e or TokenLogprobs(t, None, []) for t, e in zip(s.prompt_ids, got, strict=True)]
+
     def usage(self, seqs: list[SequenceState]) -> dict:
-        """Prompt tokens count once per prompt (not per ``n``); every generated token counts.
-        ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache (per
-        prompt, its first sequence's count)."""
+        """Prompt tokens count once per prompt (not per ``n``); every generated token counts (none
+        for an echo with ``max_tokens`` 0). ``prompt_tokens_details.cached_tokens``: prompt tokens
+        served from the prefix cache (per prompt, its first sequence's count)."""
         prompts = {s.prompt_index: len(s.prompt_ids) for s in seqs}
         cached: dict[int, int] = {}
         for s in seqs:
             cached.setdefault(s.prompt_index, s.cached_tokens)
         prompt_tokens = sum(prompts.values())
-        completion_tokens = sum(len(s.token_ids) for s in seqs)
+        completion_tokens = sum(0 if s.echo_only else len(s.token_ids) for s in seqs)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -76,16 +90,16 @@ class Renderer:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token(t): lp for t, lp in e.top} or None for e in entries],
+            "top_logprobs": [{self._token(t.token_id): t.logprob for t in e.top} or None for e in entries],
             "text_offset": offsets,
         }
 
     def _chat_logprob(self, e: TokenLogprobs) -> dict:
         tok = self._token(e.token_id)
         top = []
-        for tid, lp in e.top:
-            alt = self._token(tid)
-            top.append({"token": alt, "logprob": lp, "bytes": list(alt.encode())})
+        for t in e.top:
+            alt = self._token(t.token_id)
+            top.append({"token": alt, "logprob": t.logprob, "bytes": list(alt.encode())})
         return {"token": tok, "logprob": e.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
 
     # ------------------------------------------------------------------ whole response
@@ -93,27 +107,29 @@ class Renderer:
         """The non-streamed body."""
         choices = []
         for s in seqs:
-            lp = self.logprobs(s.choice, s.visible) if s.params.logprobs is not None else None
+            entries = s.visible
+            if s.echo is not None:  # completions' echo: the prompt (and its logprobs) first
+                entries = self._prompt_entries(s) + ([] if s.echo_only else s.visible)
+            lp = self.logprobs(s.choice, entries) if s.params.logprobs is not None else None
             if self.chat:
                 choice = {
                     "index": s.choice,
-                    "message": {"role": "assistant", "content": s.detok.text},
+                    "message": {"role": "assistant", "content": s.text},
                     "logprobs": lp,
                     "finish_reason": s.finish_reason,
                 }
             else:
-                choice = {
-                    "index": s.choice,
-                    "text": s.detok.text,
-                    "logprobs": lp,
-                    "finish_reason": s.finish_reason,
-                }
+                text = s.text if s.echo is None else s.echo + ("" if s.echo_only else s.text)
+                reason = "length" if s.echo_only else s.finish_reason
+                choice = {"index": s.choice, "text": text, "logprobs": lp, "finish_reason": reason}
             if self.return_token_ids:
                 choice["token_ids"] = s.token_ids
                 choice["prompt_tokens"] = len(s.prompt_ids)
                 if s.params.logprobs is not None:
-                    choice["token_logprobs"] = s.raw_logprobs
-                    choice["top_logprob_ids"] = s.raw_top
+                    choice["token_logprobs"] = s.logprobs
+                    choice["top_logprob_ids"] = [
+                        [[t.token_id, t.logprob] for t in top] for top in s.top_logprobs
+                    ]
             choices.append(choice)
         return {
             "id": self.id,

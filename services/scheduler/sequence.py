@@ -7,18 +7,13 @@ from dataclasses import dataclass, field
 
 from fuseserve.block_hash import extend_block_hashes
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import FinishReason  # noqa: F401 - re-exported for the scheduler
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted and waiting for recompute
     RUNNING = "running"  # admitted on a worker; KV blocks reserved there
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_new_tokens or the context window reached
-    ABORT = "abort"  # the client went away or asked to cancel
 
 
 @dataclass
@@ -41,6 +36,8 @@ class Sequence:
     num_cached_tokens: prompt tokens found in the prefix cache at its first admission (usage's
         ``cached_tokens``); num_start_tokens: tokens cached at its last admission, where its first
         chunk starts.
+    arrival_time: when the scheduler queued it, on the scheduler's clock (seconds); the TTFT
+        deadline counts from here (``fuseserve.scheduler.slo_budget``).
     """
 
     seq_id: int
@@ -59,6 +56,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
     num_start_tokens: int = 0
+    arrival_time: float = 0.0
 
     @property
     def prompt_len(self) -> int:

@@ -1,17 +1,24 @@
 """The scheduler service: the engine core with Redis in and gRPC workers out.
 
-``fuseserve scheduler --redis-url URL`` reads requests through the consumer group (acknowledging an
-entry only when its sequence finished, so a restarted scheduler re-claims unfinished ones), discovers
-workers from their Redis records as they come and go, polls the ``EngineCore`` (each worker stepped
-on its own, its next plan sent while its pass runs) and publishes the token events of each poll in
-one write per gateway (``fuseserve.messages``). It reads new requests only while its workers have
-room for them, so requests stay in the stream for a scheduler that has room.
+``fuseserve scheduler --redis-url URL`` runs one loop over an ``EngineCore`` (each worker stepped on
+its own, its next plan sent while its pass runs). Its I/O is kept off that loop's path:
+
+- two reader threads block on Redis (``redis_io.RedisInbox``): new requests through the consumer
+  group, read only while this scheduler's workers have room (requests stay in the stream for a
+  scheduler that has room), and aborts from the control stream; they wake the loop
+  (``EngineCore.wakeup``) instead of the loop polling Redis;
+- the token events of each poll round go out in one pipeline, one write per gateway
+  (``redis_io.publish``); a request's entry is acknowledged when its sequence finished, so a
+  restarted scheduler re-claims unfinished ones;
+- workers are discovered from their Redis records every ``DISCOVERY_INTERVAL_S`` and driven under a
+  lease (``worker_leases.WorkerLeases``).
 
 Several schedulers can run (``fuseserve serve --schedulers N``, compose ``--scale scheduler=N``): each
-drives the workers it holds a lease on (``messages.worker_lease_key``), claims unleased ones up to its
-share, and takes over a dead scheduler's workers when their leases expire and its pending requests
-when they have been idle ``messages.CLAIM_IDLE_MS`` (XAUTOCLAIM). A taken-over request is recomputed
-from its prompt; its tokens carry their index, so the gateway drops those it already sent.
+drives the workers it holds a lease on, claims unleased ones up to its share, and takes over a dead
+scheduler's workers when their leases expire and its pending requests when they have been idle
+``messages.CLAIM_IDLE_MS`` (XAUTOCLAIM). A taken-over request is recomputed from its prompt; its
+tokens carry their index, so the gateway drops those it already sent. ``docs/architecture.md`` walks
+a request through.
 """
 
 from __future__ import annotations
@@ -20,9 +27,7 @@ import argparse
 import itertools
 import json
 import logging
-import math
 import os
-import signal
 import socket
 import threading
 import time
@@ -30,39 +35,27 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
-import grpc
 import redis
 
 from fuseserve import messages
 from fuseserve.config import EngineConfig
+from fuseserve.drain import DrainSignal
 from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler import drain, redis_io
 from fuseserve.scheduler.engine_core import EngineCore
-from fuseserve.scheduler.grpc_worker import GrpcWorker
+from fuseserve.scheduler.metrics import SchedulerMetrics
+from fuseserve.scheduler.redis_io import RedisInbox
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
+from fuseserve.scheduler.worker_leases import WorkerLeases
 
 log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL_S = 0.5
 CLAIM_INTERVAL_S = 1.0  # how often pending requests of dead schedulers are looked for
 CONTROL_TRIM_INTERVAL_S = 10.0
-CONTROL_KEEP_S = 120.0  # control entries younger than this are kept (other schedulers may not have read them)
 STATS_INTERVAL_S = 1.0
-IDLE_BLOCK_MS = 20
-BUSY_POLL_S = 0.02  # longest wait for a worker result before new requests and aborts are read
-
-
-#: extend a lease only while this scheduler holds it
-_RENEW_LUA = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
-return 0
-"""
-#: delete a lease only while this scheduler holds it
-_RELEASE_LUA = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
 
 
 @dataclass
@@ -72,49 +65,15 @@ class _Owner:
     seq: Sequence
 
 
-class SchedulerMetrics:
-    def __init__(self, port: int | None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
-        self.running = Gauge("fuseserve_running_seqs", "sequences running", registry=self.registry)
-        self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
-        self.preemptions = Counter(
-            "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
-        )
-        self.prefix_cache_queries = Counter(  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
-            "fuseserve_prefix_cache_queries_total",
-            "prompt tokens looked up in the prefix cache at admission",
-            registry=self.registry,
-        )
-        self.prefix_cache_hits = Counter(
-            "fuseserve_prefix_cache_hits_total",
-            "prompt tokens found in the prefix cache at admission (not computed again)",
-            registry=self.registry,
-        )
-        self.cpu_per_step = Histogram(
-            "fuseserve_scheduler_cpu_seconds_per_worker_step",
-            "scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
-            registry=self.registry,
-            buckets=(2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05),
-        )
-        self.worker_idle = Histogram(
-            "fuseserve_scheduler_worker_idle_seconds",
-            "seconds a worker sat idle before a pass, as the workers report it",
-            registry=self.registry,
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
-        )
-        if port:
-            start_http_server(port, registry=self.registry)
-
-
-def _error_type(status: int) -> str:
-    return "service_unavailable" if status == 503 else "server_error"
-
-
 class SchedulerService:
-    """Owns the ``EngineCore``; single-threaded loop over Redis and the core."""
+    """Owns the ``EngineCore``; one loop over the core, fed by ``RedisInbox``'s reader threads.
+
+    Args:
+        redis_url: the Redis holding the streams and worker records.
+        config: engine configuration.
+        consumer: this scheduler's name in the consumer group (default: host-pid-random).
+        metrics_port: serve Prometheus metrics on this port (None: not served).
+    """
 
     def __init__(
         self,
@@ -128,36 +87,23 @@ class SchedulerService:
         self.core = EngineCore(config, eos_token_ids=[])
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owners: dict[int, _Owner] = {}
-        self._leased: set[str] = set()  # workers this scheduler holds a lease on
-        self._lost_leases: set[str] = set()  # leases the heartbeat could not renew (another took them)
-        self._renew = self.r.register_script(_RENEW_LUA)
-        self._release = self.r.register_script(_RELEASE_LUA)
-        self._last_claim = 0.0
+        self.inbox = RedisInbox(self.r, self.consumer, wake=self.core.wakeup)
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
-        self._last_discovery = 0.0
-        self._last_stats = 0.0
-        self._last_trim = 0.0
+        self.leases = WorkerLeases(self.r, self.consumer, self.core, self.metrics)
+        self.metrics.watch(self.core)
+        self._last_discovery = self._last_claim = self._last_stats = self._last_trim = 0.0
+        self._room_changed = True  # recompute ``room`` for the request reader
         self._no_worker_since: float | None = None
-        self._control_id = "0-0"
         self._cpu0 = time.process_time()
+        self.accepting = True  # reads new requests (False while draining: ``scheduler.drain``)
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
-    # ----- setup -----
-    def _setup_streams(self) -> None:
-        try:
-            self.r.xgroup_create(messages.REQUESTS, messages.SCHEDULER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-        # aborts sent while no scheduler ran apply to the re-claimed requests (processed entries are
-        # trimmed as we go, so this reads only what nobody handled)
-        self._control_id = "0-0"
-        self._read_control()
-
+    # ----- requests -----
     def claim_orphans(self) -> None:
         """Take over pending requests of dead schedulers (idle ``CLAIM_IDLE_MS``), as many as there
         is room for. Live schedulers keep theirs fresh (``touch_pending``)."""
@@ -174,7 +120,7 @@ class SchedulerService:
             if entries:
                 log.warning("took over %d requests of a dead scheduler", len(entries))
                 self.num_taken_over += len(entries)
-            self._add_requests(entries)
+            self._add_requests(entries, taken_over=True)
             if start == "0-0" or not entries:
                 break
 
@@ -187,78 +133,12 @@ class SchedulerService:
                 messages.REQUESTS, messages.SCHEDULER_GROUP, self.consumer, 0, ids[i : i + 500], justid=True
             )
 
-    # ----- workers -----
-    def discover(self) -> None:
-        """Follow the worker records: drop workers whose record expired, moved, or whose lease was
-        lost; claim unleased workers up to this scheduler's share; give an idle worker back when
-        holding more than the share."""
-        records = {}
-        for key in self.r.scan_iter(match=f"{messages.WORKER_PREFIX}*", count=100):
-            raw = self.r.get(key)
-            if raw:
-                rec = messages.WorkerRecord.decode(raw)
-                records[rec.worker_id] = rec
-        workers = self.core.workers
-        for wid in list(workers):
-            lost = wid in self._lost_leases
-            if wid not in records or records[wid].address != workers[wid].record.address or lost:
-                log.warning(
-                    "worker %s is gone%s; resuming its sequences elsewhere", wid, " (lease lost)" * lost
-                )
-                self._drop_worker(wid)
-        self._lost_leases.clear()
-        live = sum(1 for _ in self.r.scan_iter(match=messages.scheduler_live_key("*"), count=100))
-        share = math.ceil(len(records) / max(1, live))
-        for wid, rec in records.items():
-            if wid in self.core.workers or len(self.core.workers) >= share:
-                continue
-            lease = messages.worker_lease_key(wid)
-            if not self.r.set(lease, self.consumer, nx=True, px=messages.SCHEDULER_TTL_S * 1000):
-                continue  # another scheduler drives it
-            handle = GrpcWorker(rec)
-            try:
-                handle.reset()  # a previous scheduler's sequences are gone with it
-            except grpc.RpcError as e:
-                log.warning("worker %s at %s unreachable: %s", wid, rec.address, e.code())
-                handle.close()
-                self._release(keys=[lease], args=[self.consumer])
-                continue
-            self._leased.add(wid)
-            self.scheduler.eos_token_ids = set(rec.eos_token_ids)
-            self.core.add_worker(
-                wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
-            )
-            log.info(
-                "worker %s joined at %s (%d blocks, budget %d)",
-                wid,
-                rec.address,
-                rec.num_blocks,
-                self.scheduler.slots[wid].token_budget,
-            )
-        if len(self.core.workers) > share:  # another scheduler has fewer: hand over an idle worker
-            for wid, slot in list(self.scheduler.slots.items()):
-                if not (slot.running or slot.inflight or slot.pending_free):
-                    log.info("handing worker %s over (share %d)", wid, share)
-                    self._drop_worker(wid)
-                    break
-        self.metrics.workers.set(len(self.core.workers))
-
-    def _drop_worker(self, wid: str) -> None:
-        """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
-        handle = self.core.workers.get(wid)
-        self.core.remove_worker(wid)
-        if handle is not None:
-            handle.close()
-        if wid in self._leased:
-            self._leased.discard(wid)
-            self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
-
-    # ----- requests -----
-    def _add_requests(self, entries) -> None:
+    def _add_requests(self, entries, taken_over: bool = False) -> None:
         errors: dict[str, list[messages.TokenMessage]] = defaultdict(list)
+        rejected = []
         for entry_id, fields in entries:
             if not fields:  # deleted while pending
-                self.r.xack(messages.REQUESTS, messages.SCHEDULER_GROUP, entry_id)
+                rejected.append(entry_id)
                 continue
             msg = messages.RequestMessage.decode(fields)
             if msg.seq_id in self.owners:
@@ -275,152 +155,124 @@ class SchedulerService:
                         error={"message": str(e), "type": e.error_type, "status": e.http_status},
                     )
                 )
-                self._ack(entry_id)
+                rejected.append(entry_id)
                 continue
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
-        self._publish(errors)
+            if not taken_over:
+                self.metrics.note_arrival(msg.seq_id)
+        self._room_changed = True
+        redis_io.publish(self.r, errors, rejected)
 
     def room(self) -> int:
         """New sequences this scheduler's workers could take now (pull-based reading): free
-        sequence slots of its workers, less the sequences already waiting."""
+        sequence slots of its workers, less the sequences already waiting; 0 while draining."""
+        if not self.accepting:
+            return 0
         cap = self.config.max_num_seqs
-        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values())
+        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values() if not s.draining)
         return free - len(self.scheduler.waiting)
 
-    def _read_inputs(self, block_ms: int | None) -> None:
-        """Aborts from the control stream and, while there is room, new requests: one round trip
-        (blocking up to ``block_ms`` for requests when idle; None: do not block)."""
-        count = min(256, self.room())
-        pipe = self.r.pipeline(transaction=False)
-        # with no room, wait on the control stream instead (an idle loop must not spin)
-        pipe.xread({messages.CONTROL: self._control_id}, count=1000, block=None if count > 0 else block_ms)
-        if count > 0:
-            pipe.xreadgroup(
-                messages.SCHEDULER_GROUP, self.consumer, {messages.REQUESTS: ">"}, count=count, block=block_ms
-            )
-        control, *requests = pipe.execute()
-        self._apply_control(control)
-        for resp in requests:
-            for _, entries in resp or []:
+    def _apply_inbox(self) -> None:
+        """Apply what the reader threads handed over (requests, aborts) and tell the request reader
+        how much room there is now. Raises ``redis.ResponseError`` (NOGROUP) when the consumer group
+        is gone."""
+        batches, nogroup = 0, False
+        for kind, entries in self.inbox.take():
+            if kind == redis_io.REQUESTS:
                 self._add_requests(entries)
+                batches += 1
+            elif kind == redis_io.CONTROL:
+                self._apply_control(entries)
+            else:
+                nogroup = True
+        if batches or self._room_changed or not self.accepting:  # draining: room 0 at once
+            self._room_changed = False
+            self.inbox.set_room(self.room(), batches)
+        if nogroup:
+            raise redis.ResponseError("NOGROUP the request stream's consumer group is gone")
 
-    def _trim_control(self) -> None:
-        """Drop control entries older than ``CONTROL_KEEP_S`` (every scheduler has read them by then)."""
-        oldest_ms = int((time.time() - CONTROL_KEEP_S) * 1000)
-        self.r.xtrim(messages.CONTROL, minid=f"{oldest_ms}-0", approximate=True)
-
-    def _read_control(self) -> None:
-        self._apply_control(self.r.xread({messages.CONTROL: self._control_id}, count=1000))
-
-    def _apply_control(self, resp) -> None:
-        for _, entries in resp or []:
-            for entry_id, fields in entries:
-                self._control_id = entry_id
-                msg = messages.ControlMessage.decode(fields)
-                if msg.kind == "abort" and msg.seq_id in self.owners:
-                    reason = FinishReason.STOP if msg.reason == "stop" else FinishReason.ABORT
-                    self.core.abort(msg.seq_id, reason)
-                    self._finish(msg.seq_id)
+    def _apply_control(self, entries) -> None:
+        for _, fields in entries:
+            msg = messages.ControlMessage.decode(fields)
+            if msg.kind == "abort" and msg.seq_id in self.owners:
+                reason = FinishReason.STOP if msg.reason == "stop" else FinishReason.ABORT
+                self.core.abort(msg.seq_id, reason)
+                self._finish(msg.seq_id)
 
     # ----- outputs -----
     def _publish_events(self, events: list[TokenEvent]) -> None:
+        """Write one poll round's events (one ``XADD`` per gateway) and acknowledge finished requests."""
         by_gateway: dict[str, list[messages.TokenMessage]] = defaultdict(list)
-        finished = []
+        done = []
         for ev in events:
             owner = self.owners.get(ev.seq_id)
             if owner is None:
                 continue
-            tok = ev.token
-            by_gateway[owner.gateway_id].append(
-                messages.TokenMessage(
-                    seq_id=ev.seq_id,
-                    index=ev.index,
-                    token_id=tok.token_id if tok else None,
-                    logprob=tok.logprob if tok else None,
-                    top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok else [],
-                    hidden=ev.hidden,
-                    finish_reason=ev.finish_reason.value if ev.finish_reason else None,
-                    cached_tokens=ev.cached_tokens,
-                    error=None
-                    if ev.error is None
-                    else {
-                        "message": ev.error,
-                        "type": _error_type(ev.error_status),
-                        "status": ev.error_status,
-                    },
-                )
-            )
+            by_gateway[owner.gateway_id].append(redis_io.token_message(ev))
             if ev.finish_reason is not None:
-                finished.append(ev.seq_id)
-        done = [self.owners.pop(sid).entry_id for sid in finished if sid in self.owners]
-        self._publish(by_gateway, done)
-
-    def _publish(self, by_gateway: dict[str, list[messages.TokenMessage]], ack_ids: list[str] = ()) -> None:
-        """One round trip: one batched write per gateway, then acknowledge (and delete) the request
-        entries of finished sequences (after their last token is written)."""
-        if not by_gateway and not ack_ids:
-            return
-        pipe = self.r.pipeline(transaction=False)
-        for gw, evs in by_gateway.items():
-            pipe.xadd(
-                messages.responses_stream(gw),
-                messages.encode_events(evs),
-                maxlen=messages.RESPONSE_STREAM_MAXLEN,
-                approximate=True,
-            )
-        if ack_ids:
-            pipe.xack(messages.REQUESTS, messages.SCHEDULER_GROUP, *ack_ids)
-            pipe.xdel(messages.REQUESTS, *ack_ids)
-        pipe.execute()
+                done.append(self.owners.pop(ev.seq_id).entry_id)
+                self.metrics.forget(ev.seq_id)
+        if done:
+            self._room_changed = True
+        redis_io.publish(self.r, by_gateway, done)
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
+        self.metrics.forget(seq_id)
         if owner is not None:
-            self._ack(owner.entry_id)
-
-    def _ack(self, entry_id: str) -> None:
-        self.r.xack(messages.REQUESTS, messages.SCHEDULER_GROUP, entry_id)
-        self.r.xdel(messages.REQUESTS, entry_id)
+            self._room_changed = True
+            redis_io.publish(self.r, {}, [owner.entry_id])
 
     # ----- loop -----
     def run_once(self) -> None:
-        """One iteration: discovery (periodic), control, new requests, one poll of the core, stats."""
+        """One iteration: periodic work (discovery, take-over, stats) when due, what the readers
+        handed over, then one poll of the core (or, with nothing to run, a wait for the readers)."""
         now = time.monotonic()
         if now - self._last_discovery >= DISCOVERY_INTERVAL_S:
-            self.discover()
+            self.leases.discover()
+            self.metrics.workers.set(len(self.scheduler.slots))
+            self._room_changed = True
             self._last_discovery = now
         if now - self._last_claim >= CLAIM_INTERVAL_S:
             self.claim_orphans()
             self._last_claim = now
-        busy = self.core.has_work and bool(self.scheduler.slots)
-        self._read_inputs(None if busy else IDLE_BLOCK_MS)
-        if self.core.has_work and self.scheduler.slots:
-            preempted = self.scheduler.num_preemptions
-            queries, hits = self.scheduler.num_prefix_queries, self.scheduler.num_prefix_hits
-            idle_seen = self.core.stats.num_idle
-            events = self.core.poll(timeout=BUSY_POLL_S, record_cpu=False)
-            self._publish_events(events)
-            self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
-            self.metrics.prefix_cache_queries.inc(self.scheduler.num_prefix_queries - queries)
-            self.metrics.prefix_cache_hits.inc(self.scheduler.num_prefix_hits - hits)
-            new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
-            # only the new tail: copying the whole window (up to STATS_WINDOW floats) every poll costs
-            for idle in itertools.islice(reversed(self.core.stats.idle_s), new_idle):
-                self.metrics.worker_idle.observe(idle)
-            n = self.core.num_completions
-            if n:  # the process's CPU since the last worker-steps, spread over these
-                cpu = time.process_time()
-                self.stats_cpu(cpu - self._cpu0, n)
-                self._cpu0 = cpu
-        else:
-            self._cpu0 = time.process_time()
         self._fail_if_no_worker(now)
         if now - self._last_trim >= CONTROL_TRIM_INTERVAL_S:
-            self._trim_control()
+            redis_io.trim_control(self.r)
             self._last_trim = now
         if now - self._last_stats >= STATS_INTERVAL_S:
             self._write_stats()
             self._last_stats = now
+        self._apply_inbox()
+        # until the next periodic task; a reader's hand-over or a worker's result ends the wait sooner
+        due = min(self._last_discovery + DISCOVERY_INTERVAL_S, self._last_stats + STATS_INTERVAL_S)
+        timeout = max(0.0, due - time.monotonic())
+        if not (self.core.has_work and self.scheduler.slots):
+            self.inbox.wait(timeout)
+            self._cpu0 = time.process_time()
+            return
+        preempted = self.scheduler.num_preemptions
+        queries, hits = self.scheduler.num_prefix_queries, self.scheduler.num_prefix_hits
+        idle_seen = self.core.stats.num_idle
+        events = self.core.poll(timeout=timeout, record_cpu=False)
+        n = self.core.num_completions
+        if not n:
+            if not any(s.inflight for s in self.scheduler.slots.values()):
+                self.inbox.wait(min(timeout, 0.05))  # work that no worker can take yet: do not spin
+            return
+        self._publish_events(events)
+        if self.scheduler.num_preemptions != preempted:
+            self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        if self.scheduler.num_prefix_queries != queries:
+            self.metrics.prefix_cache_queries.inc(self.scheduler.num_prefix_queries - queries)
+            self.metrics.prefix_cache_hits.inc(self.scheduler.num_prefix_hits - hits)
+        new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
+        # only the new tail: copying the whole window (up to STATS_WINDOW floats) every poll costs
+        for idle in itertools.islice(reversed(self.core.stats.idle_s), new_idle):
+            self.metrics.worker_idle.observe(idle)
+        cpu = time.process_time()  # the process's CPU since the last worker-steps, spread over these
+        self.stats_cpu(cpu - self._cpu0, n)
+        self._cpu0 = cpu
 
     def stats_cpu(self, seconds: float, num_steps: int) -> None:
         """Record ``seconds`` of this process's CPU for ``num_steps`` worker-steps (stats + metric)."""
@@ -453,11 +305,11 @@ class SchedulerService:
             "scheduler": self.consumer,
             "pid": os.getpid(),
             "taken_over": self.num_taken_over,
+            "metrics_port": self.metrics.port,
+            "metrics_host": socket.gethostname(),
         }
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
-        pipe.set(messages.scheduler_stats_key(self.consumer), json.dumps(stats), ex=10)
-        pipe.execute()
+        # its own record: readers add the schedulers' records up (``messages.read_scheduler_stats``)
+        self.r.set(messages.scheduler_stats_key(self.consumer), json.dumps(stats), ex=10)
         self.metrics.queue_depth.set(waiting)
         self.metrics.running.set(running)
 
@@ -487,33 +339,36 @@ class SchedulerService:
                 pipe.set(messages.SCHEDULER_HEARTBEAT, self.consumer, ex=ttl)
                 pipe.set(messages.scheduler_live_key(self.consumer), os.getpid(), ex=ttl)
                 pipe.execute()
-                for wid in list(self._leased):
-                    key = messages.worker_lease_key(wid)
-                    if not self._renew(keys=[key], args=[self.consumer, ttl * 1000]):
-                        self._lost_leases.add(wid)
+                self.leases.renew()
                 self.touch_pending()
             except redis.RedisError as e:
                 log.warning("scheduler heartbeat failed: %s", e)
             stop.wait(messages.HEARTBEAT_S)
 
     def close(self) -> None:
-        """Give up this scheduler's worker leases and liveness key (a clean stop: others take over at once)."""
-        for wid in list(self._leased):
-            self._drop_worker(wid)
+        """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished
+        requests back (``drain.hand_back``) and release its worker leases, so others take over at once."""
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         try:
             self.r.delete(messages.scheduler_live_key(self.consumer))
-        except redis.RedisError:
-            pass
+            if self.owners:
+                log.info("handed %d unfinished requests back", drain.hand_back(self))
+        except redis.RedisError as e:
+            log.warning("could not hand requests back (%s); they are claimed once idle", e)
+        self.leases.release_all()
         self.core.close()
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""
-        threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True)
+        self._heartbeat.start()
         ready = False
         while not stop.is_set():
             try:
                 if not ready:
-                    self._setup_streams()
+                    redis_io.setup_streams(self.r)
+                    self.inbox.start(stop)  # once; the readers outlive a Redis restart
                     ready = True
                 self.run_once()
             except redis.ConnectionError as e:
@@ -527,7 +382,8 @@ class SchedulerService:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT."""
+    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain
+    (``fuseserve.scheduler.drain``) and exit."""
     config = EngineConfig(
         token_budget=args.token_budget,
         max_num_seqs=args.max_num_seqs,
@@ -535,11 +391,13 @@ def run_scheduler(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         overlap=getattr(args, "overlap", True),
         enable_prefix_caching=getattr(args, "prefix_caching", True),
+        target_itl=getattr(args, "target_itl", None),
+        target_prefill_rate=getattr(args, "target_prefill_rate", None),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
+    threading.Thread(target=drain.watch, args=(service, signals, stop), name="drain", daemon=True).start()
     print("fuseserve scheduler ready", flush=True)
     service.run(stop)
     service.close()

@@ -1,0 +1,143 @@
+"""Which workers a scheduler drives: discovery from the workers' Redis records, under leases.
+
+Workers register ``messages.worker_key(id)`` records (TTL ``WORKER_TTL_S``, refreshed by their
+heartbeat). Each scheduler drives the workers it holds a lease on (``messages.worker_lease_key``,
+TTL ``SCHEDULER_TTL_S``, renewed by its heartbeat thread), claims unleased ones up to its share
+(workers ÷ live schedulers), gives an idle one back when it holds more than its share, and takes over
+a dead scheduler's workers when their leases expire. See ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import grpc
+import redis
+
+from fuseserve import messages
+from fuseserve.scheduler.engine_core import EngineCore
+from fuseserve.scheduler.grpc_worker import GrpcWorker
+
+log = logging.getLogger(__name__)
+
+#: extend a lease only while this scheduler holds it
+_RENEW_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+return 0
+"""
+#: delete a lease only while this scheduler holds it
+_RELEASE_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+class WorkerLeases:
+    """The workers of one scheduler (``consumer``), added to and removed from ``core`` as they come,
+    go, or change hands; ``metrics`` (a ``SchedulerMetrics``, optional) learns the model name and
+    forgets departed workers."""
+
+    def __init__(self, r: redis.Redis, consumer: str, core: EngineCore, metrics=None):
+        self.r = r
+        self.consumer = consumer
+        self.core = core
+        self.metrics = metrics
+        self.leased: set[str] = set()  # workers this scheduler holds a lease on
+        self._lost: set[str] = set()  # leases the heartbeat could not renew (another took them)
+        self._renew = r.register_script(_RENEW_LUA)
+        self._release = r.register_script(_RELEASE_LUA)
+
+    def discover(self) -> None:
+        """Follow the worker records: drop workers whose record expired, moved, or whose lease was
+        lost; claim unleased workers up to this scheduler's share; give an idle worker back when
+        holding more than the share."""
+        keys = list(self.r.scan_iter(match=f"{messages.WORKER_PREFIX}*", count=1000))
+        records = {}
+        for raw in self.r.mget(keys) if keys else []:  # one round trip, not one per worker
+            if raw:
+                rec = messages.WorkerRecord.decode(raw)
+                records[rec.worker_id] = rec
+        workers = self.core.workers
+        lost_now, self._lost = self._lost, set()
+        for wid in list(workers):
+            lost = wid in lost_now
+            if wid not in records or records[wid].address != workers[wid].record.address or lost:
+                log.warning(
+                    "worker %s is gone%s; resuming its sequences elsewhere", wid, " (lease lost)" * lost
+                )
+                self.drop(wid)
+            elif records[wid].draining:
+                self.core.drain_worker(wid)  # no new sequences there; its running ones finish
+        live = sum(1 for _ in self.r.scan_iter(match=messages.scheduler_live_key("*"), count=1000))
+        share = math.ceil(len(records) / max(1, live))
+        for wid, rec in records.items():
+            if wid in self.core.workers or len(self.core.workers) >= share or rec.draining:
+                continue
+            self._claim(wid, rec)
+        scheduler = self.core.scheduler
+        if len(self.core.workers) > share:  # another scheduler has fewer: hand over an idle worker
+            for wid, slot in list(scheduler.slots.items()):
+                if not (slot.running or slot.inflight or slot.pending_free):
+                    log.info("handing worker %s over (share %d)", wid, share)
+                    self.drop(wid)
+                    break
+
+    def _claim(self, wid: str, rec: messages.WorkerRecord) -> None:
+        """Take the lease of an unleased worker and add it to the core (nothing when another
+        scheduler holds it or it cannot be reached)."""
+        lease = messages.worker_lease_key(wid)
+        if not self.r.set(lease, self.consumer, nx=True, px=messages.SCHEDULER_TTL_S * 1000):
+            return  # another scheduler drives it
+        handle = GrpcWorker(rec)
+        try:
+            handle.reset()  # a previous scheduler's sequences are gone with it
+        except grpc.RpcError as e:
+            log.warning("worker %s at %s unreachable: %s", wid, rec.address, e.code())
+            handle.close()
+            self._release(keys=[lease], args=[self.consumer])
+            return
+        self.leased.add(wid)
+        if self.metrics is not None:
+            self.metrics.set_model(rec.model)
+        self.core.scheduler.eos_token_ids = set(rec.eos_token_ids)
+        self.core.add_worker(wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget)
+        log.info(
+            "worker %s joined at %s (%d blocks, budget %d)",
+            wid,
+            rec.address,
+            rec.num_blocks,
+            self.core.scheduler.slots[wid].token_budget,
+        )
+
+    def drop(self, wid: str) -> None:
+        """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
+        handle = self.core.workers.get(wid)
+        self.core.remove_worker(wid)
+        if self.metrics is not None:
+            self.metrics.drop_worker(wid)
+        if handle is not None:
+            handle.close()
+        if wid in self.leased:
+            self.leased.discard(wid)
+            self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
+
+    def renew(self) -> None:
+        """Extend every lease this scheduler holds (from the heartbeat thread); a lease another
+        scheduler took is noted and its worker dropped by the next ``discover``."""
+        ttl_ms = messages.SCHEDULER_TTL_S * 1000
+        wids = list(self.leased)
+        pipe = self.r.pipeline(transaction=False)  # one round trip for all leases
+        for wid in wids:
+            self._renew(keys=[messages.worker_lease_key(wid)], args=[self.consumer, ttl_ms], client=pipe)
+        for wid, ok in zip(wids, pipe.execute(), strict=True):
+            if not ok:
+                self._lost.add(wid)
+
+    def release_all(self) -> None:
+        """Give up every worker (a clean stop: other schedulers take them over at once)."""
+        for wid in list(self.leased):
+            try:
+                self.drop(wid)
+            except redis.RedisError:
+                pass  # the lease expires
