@@ -61,7 +61,9 @@ def test_completion_echo_usage_and_finish(http, tok, fake):
     assert fake.requests[-1].params["max_new_tokens"] == 8192 - len(ids)
 
     assert fake.requests[-1].cache_salt is None
-    body = post(http, "/v1/completions", prompt=prompt, max_tokens=3, temperature=0, seed=1, cache_salt="t1").json()
+    body = post(
+        http, "/v1/completions", prompt=prompt, max_tokens=3, temperature=0, seed=1, cache_salt="t1"
+    ).json()
     assert fake.requests[-1].cache_salt == "t1"  # forwarded to the scheduler (prefix-cache isolation)
     assert body["choices"][0]["text"] == tok.decode(ids[:3])
     assert body["choices"][0]["finish_reason"] == "length"

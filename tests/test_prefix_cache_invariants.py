@@ -91,6 +91,26 @@ def test_cached_tokens_count_as_computed_and_salts_isolate():
     check_free(eng)
 
 
+def test_prompt_logprobs_requests_take_no_prefix_hit():
+    """A cached position is not computed, so it would have no prompt logprobs: a request asking for
+    them starts from position 0 (as vLLM does); its own blocks still serve later requests."""
+    eng = make_engine(budget=64, block_size=4)
+    prompt = list(range(1, 31))
+    eng.add(Sequence(0, prompt, greedy(3)))
+    eng.run()
+    eng.add(Sequence(1, list(prompt), greedy(3, prompt_logprobs=1)))
+    eng.run()
+    eng.add(Sequence(2, list(prompt), greedy(3)))
+    eng.run()
+    assert {sid: s.num_cached_tokens for sid, s in eng.seqs.items()} == {0: 0, 1: 0, 2: 28}
+    first_chunks = [c for p in eng.fakes["w0"].plans for c in p.chunks if c.params is not None]
+    assert [c.start_pos for c in first_chunks] == [0, 0, 28]
+    assert eng.outputs[1] == eng.outputs[2] == eng.outputs[0]
+    assert eng.sched.num_prefix_queries == 2 * len(prompt)  # no lookup for sequence 1
+    assert eng.sched.num_prefix_hits == 28
+    check_free(eng)
+
+
 def test_placement_follows_the_prefix_until_the_load_is_unbalanced():
     eng = make_engine(budget=64, block_size=4, workers={"w0": 1000, "w1": 1000})
     shared = list(range(1, 41))

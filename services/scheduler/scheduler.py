@@ -407,7 +407,7 @@ class Scheduler:
         seq.num_start_tokens = seq.num_computed_tokens = len(shared) * slot.account.block_size
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_start_tokens
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and seq.params.prompt_logprobs is None:  # looked up
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += seq.num_start_tokens
         seq.status = SeqStatus.RUNNING
