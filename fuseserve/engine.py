@@ -25,6 +25,7 @@ from fuseserve.errors import ContextLengthExceededError, FuseServeError, Invalid
 from fuseserve.model_source import resolve_model
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams, check_text
+from fuseserve.structured import grammar_backend
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.scheduler import TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
@@ -225,6 +226,8 @@ class Pipeline:
     def _submit(self, ids: list[int], params: SamplingParams) -> _Request:
         if self._closed:
             raise FuseServeError("pipeline is closed")
+        if params.constrained:  # a grammar the library cannot compile is a 400 here, not a worker error
+            grammar_backend(self.tokenizer, self.runner.vocab_size, self.eos_token_ids).check(params)
         req = _Request(
             next(self._ids),
             ids,

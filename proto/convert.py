@@ -27,7 +27,7 @@ _PARAM_SCALARS = (
 )
 """SamplingParams fields that are plain proto3 scalars (always present on the wire)."""
 
-_PARAM_OPTIONALS = ("seed", "logprobs")
+_PARAM_OPTIONALS = ("seed", "logprobs", "json_schema", "regex", "grammar")
 """SamplingParams fields where None matters: proto3 ``optional``, unset on the wire means None."""
 
 _PARAM_LISTS = ("stop", "stop_token_ids")
@@ -46,6 +46,8 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
             setattr(msg, name, value)
     for name in _PARAM_LISTS:
         getattr(msg, name).extend(getattr(params, name))
+    msg.choice.extend(params.choice or [])
+    msg.logit_bias.update(params.logit_bias)
     return msg
 
 
@@ -63,6 +65,8 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         fields[name] = getattr(msg, name) if msg.HasField(name) else None
     for name in _PARAM_LISTS:
         fields[name] = list(getattr(msg, name))
+    fields["choice"] = list(msg.choice) or None
+    fields["logit_bias"] = dict(msg.logit_bias)
     return SamplingParams(**fields)
 
 
