@@ -25,7 +25,11 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
         "address": {
             "type": "object",
-            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string"},
+            },
             "required": ["street", "city"],
         },
         "role": {"enum": ["admin", "user", "guest"]},
@@ -92,7 +96,10 @@ def bench_llguidance(tok, ids) -> None:
     matcher = llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA))
     print(f"llguidance: compile schema + matcher {1e3 * (time.perf_counter() - start):.1f} ms")
     mask = lgt.allocate_token_bitmask(1, V)
-    print("llguidance:", _fill_stats(lambda: lgt.fill_next_token_bitmask(matcher, mask, 0), matcher.consume_token, ids))
+    print(
+        "llguidance:",
+        _fill_stats(lambda: lgt.fill_next_token_bitmask(matcher, mask, 0), matcher.consume_token, ids),
+    )
     for kind, grammar in (
         ("regex", llguidance.LLMatcher.grammar_from_regex(r"[a-z]+@[a-z]+\.com")),
         ("lark", llguidance.LLMatcher.grammar_from_lark('start: "yes" | "no"')),

@@ -25,10 +25,10 @@ from fuseserve.errors import ContextLengthExceededError, FuseServeError, Invalid
 from fuseserve.model_source import resolve_model
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams, check_text
-from fuseserve.structured import grammar_backend
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.scheduler import TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
+from fuseserve.structured import grammar_backend
 from fuseserve.worker.model_runner import ModelRunner
 from fuseserve.worker.profiler import choose_token_budget
 

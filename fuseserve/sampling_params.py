@@ -239,7 +239,9 @@ class SamplingParams:
             raise InvalidParameterError("choice", self.choice, f"1 to {MAX_CHOICES} non-empty strings")
         bias = self.logit_bias
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise InvalidParameterError("logit_bias", bias, f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+            raise InvalidParameterError(
+                "logit_bias", bias, f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} entries"
+            )
         for token, value in bias.items():
             if not _is_int(token) or not 0 <= token < MAX_TOKEN_ID:
                 raise InvalidParameterError("logit_bias", token, f"token ids in [0, {MAX_TOKEN_ID}) as keys")
@@ -253,7 +255,8 @@ class SamplingParams:
     def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
         """Build from keyword arguments, then validate.
 
-        ``stop`` may be a single string; ``stop`` / ``stop_token_ids`` may be None (= empty).
+        ``stop`` may be a single string; ``stop`` / ``stop_token_ids`` / ``logit_bias`` may be None
+        (= empty); ``logit_bias`` keys may be decimal strings (JSON objects).
 
         Raises:
             InvalidRequestError: a keyword is not a SamplingParams field (``param`` names it).
@@ -274,6 +277,11 @@ class SamplingParams:
                 kwargs[name] = list(kwargs[name] or [])
         if kwargs.get("logit_bias") is None and "logit_bias" in kwargs:
             kwargs["logit_bias"] = {}
+        elif isinstance(kwargs.get("logit_bias"), dict):  # JSON (OpenAI, Redis) has string keys
+            kwargs["logit_bias"] = {
+                int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v
+                for k, v in kwargs["logit_bias"].items()
+            }
         if isinstance(kwargs.get("choice"), tuple):
             kwargs["choice"] = list(kwargs["choice"])
         params = cls(**kwargs)

@@ -78,7 +78,7 @@ class GrammarBackend:
 
         self.vocab_size = int(vocab_size)
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(stop_token_ids) or None
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(stop_token_ids or []) or None
         )
         self.stop_token_ids = list(info.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
@@ -99,7 +99,9 @@ class GrammarBackend:
                     return self._compiler.compile_regex(text)
                 return self._compiler.compile_grammar(text)
             except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
-                raise InvalidRequestError(f"cannot compile {kind}: {_library_error(exc)}", param=kind) from exc
+                raise InvalidRequestError(
+                    f"cannot compile {kind}: {_library_error(exc)}", param=kind
+                ) from exc
 
     def check(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (cached), so a bad one fails before the engine.
@@ -192,7 +194,9 @@ class SeqMatcher:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def apply_grammar_masks(logits: torch.Tensor, matchers: list[SeqMatcher | None], output_ids: list[list[int]]) -> None:
+def apply_grammar_masks(
+    logits: torch.Tensor, matchers: list[SeqMatcher | None], output_ids: list[list[int]]
+) -> None:
     """Set ``-inf`` in ``logits [S, V]`` (fp32, in place) where a row's grammar forbids the token.
 
     ``matchers[i]`` / ``output_ids[i]``: row i's matcher (None: unconstrained) and generated tokens.

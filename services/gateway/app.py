@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.errors import FuseServeError, InvalidRequestError
 from fuseserve.gateway.admission import Admission
+from fuseserve.gateway.constraints import rendered_tools, tool_parser_factory
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
     RequestTooLargeError,
@@ -188,7 +189,9 @@ class Gateway:
         """Tokenize, validate and give each of ``n`` sequences per prompt its seq_id (nothing sent yet)."""
         self.encoder.check_n(req.n)
         prompts = (
-            [self.encoder.chat_prompt(req.messages)] if chat else self.encoder.completion_prompts(req.prompt)
+            [self.encoder.chat_prompt(req.messages, rendered_tools(req))]
+            if chat
+            else self.encoder.completion_prompts(req.prompt)
         )
         plans = []
         for p, ids in enumerate(prompts):
@@ -221,7 +224,13 @@ class Gateway:
             poll_s=self.settings.disconnect_poll_s,
         )
         gen.arrival = arrival
-        renderer = Renderer(self.tokenizer, self.model_name, chat, req.return_token_ids)
+        renderer = Renderer(
+            self.tokenizer,
+            self.model_name,
+            chat,
+            req.return_token_ids,
+            tool_parser_factory(req) if chat else None,
+        )
         await gen.submit()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -12,8 +12,11 @@ prompt + max_tokens against the context (``ContextLengthExceededError`` with the
 from __future__ import annotations
 
 from fuseserve.errors import ContextLengthExceededError, InvalidParameterError, InvalidRequestError
+from fuseserve.gateway.constraints import constraint_kwargs
 from fuseserve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams, check_text
+from fuseserve.structured import grammar_backend
+from fuseserve.tools import check_tool_messages, render_messages, template_supports_tools
 
 MAX_N = 16
 """Largest ``n`` (sequences per prompt) a request may ask for."""
@@ -70,23 +73,36 @@ class PromptEncoder:
             raise InvalidRequestError("prompt is empty", param="prompt")
         return ids
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template (with the generation prompt).
 
+        ``tools``: OpenAI tool dicts to render (``fuseserve/tools.py``: through the template when it
+        reads ``tools``, else as a generic system-prompt block).
         Raises ``InvalidRequestError`` (param "messages") when the model has no chat template, a
-        message is not valid text, the template rejects the messages, or they render to nothing.
+        message is not valid text, a tool exchange is malformed, the template rejects the messages,
+        or they render to nothing.
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
             )
-        turns = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages
+        msgs = [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+                "tool_calls": [c.model_dump() for c in m.tool_calls or []],
+                "tool_call_id": m.tool_call_id,
+            }
+            for m in messages
         ]
+        check_tool_messages(msgs)
+        turns, extra = render_messages(msgs, tools, template_supports_tools(self.tokenizer))
         for turn in turns:
             check_text(turn["content"], "messages")
         try:
-            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                turns, add_generation_prompt=True, tokenize=False, **extra
+            )
         except Exception as e:  # jinja raises on roles or orders the template does not accept
             raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from e
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -140,7 +156,11 @@ class PromptEncoder:
                 kwargs[name] = value
         if req.seed is not None:
             kwargs["seed"] = req.seed + index
-        return SamplingParams.from_kwargs(**kwargs)
+        kwargs.update(constraint_kwargs(req, self.vocab_size))
+        params = SamplingParams.from_kwargs(**kwargs)
+        if params.constrained:  # compiled once and cached: an uncompilable spec is a 400 here
+            grammar_backend(self.tokenizer, self.vocab_size).check(params)
+        return params
 
     def check_wire_values(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         """Raise ``InvalidParameterError`` for values the worker cannot take: stop strings that are

@@ -4,7 +4,8 @@ Every model forbids unknown fields (a typo or an unsupported OpenAI option is a 
 field, never silently ignored) and validates in strict mode (``"5"`` is not an integer; ``true`` is
 not a number). Fields beyond OpenAI's (vLLM conventions): ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-``include_stop_str_in_output``, and the fuseserve extension ``return_token_ids`` (each choice then
+``include_stop_str_in_output``, ``structured_outputs`` / ``guided_*`` (structured output, see
+``constraints.py``), and the fuseserve extension ``return_token_ids`` (each choice then
 carries ``token_ids`` and, with logprobs, ``top_logprob_ids``; see ``render.py``).
 
 Response bodies are plain dicts built in ``render.py``; their shapes follow the OpenAI API.
@@ -15,6 +16,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from fuseserve.gateway.constraints import ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice
 
 TokenIds = list[int]
 
@@ -53,6 +56,14 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # fuseserve extension: token ids per choice
+    # output constraints and logit_bias (constraints.py maps them onto SamplingParams)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -77,6 +88,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
 
     def text(self) -> str:
         if self.content is None:
@@ -93,3 +105,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None

@@ -8,6 +8,10 @@ A streamed error (the scheduler rejected a sequence after the 200 was sent) is o
 ``data: {"error": {"message", "type", "param", "code", "status"}}`` (``status``: the HTTP status
 the request would have had), then ``data: [DONE]``.
 
+Chat requests with tools: the assistant text goes through ``fuseserve.tools.ToolCallParser``;
+parsed calls become ``message.tool_calls`` (streamed: ``delta.tool_calls`` pieces) and
+``finish_reason`` ``"tool_calls"``.
+
 Extension (request ``"return_token_ids": true``): each choice of a non-streamed response also has
 ``token_ids`` (every generated id, a hidden EOS / stop token included, as ``Response.token_ids``),
 ``prompt_tokens`` (the prompt's length in tokens) and, when logprobs were asked for, ``token_logprobs`` (per generated id, its logprob) and
@@ -32,11 +36,13 @@ def sse(payload: dict | str) -> bytes:
 class Renderer:
     """Builds the bodies of one request. ``chat``: chat shapes, else completions shapes."""
 
-    def __init__(self, tokenizer, model: str, chat: bool, return_token_ids: bool = False):
+    def __init__(self, tokenizer, model: str, chat: bool, return_token_ids: bool = False, tool_parser=None):
         self.tokenizer = tokenizer
         self.model = model
         self.chat = chat
         self.return_token_ids = return_token_ids
+        self._new_tool_parser = tool_parser  # () -> ToolCallParser when the request has tools
+        self._tool_parsers: dict = {}  # choice -> its ToolCallParser (streaming)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # choice -> characters of text emitted (text_offset)
@@ -89,12 +95,8 @@ class Renderer:
         for s in seqs:
             lp = self.logprobs(s.choice, s.visible) if s.params.logprobs is not None else None
             if self.chat:
-                choice = {
-                    "index": s.choice,
-                    "message": {"role": "assistant", "content": s.detok.text},
-                    "logprobs": lp,
-                    "finish_reason": s.finish_reason,
-                }
+                message, reason = self._message(s)
+                choice = {"index": s.choice, "message": message, "logprobs": lp, "finish_reason": reason}
             else:
                 choice = {
                     "index": s.choice,
@@ -117,6 +119,45 @@ class Renderer:
             "choices": choices,
             "usage": self.usage(seqs),
         }
+
+    def _message(self, s: SequenceState) -> tuple[dict, str | None]:
+        """The assistant message of a finished chat choice, with ``tool_calls`` parsed out when the
+        request has tools; ``finish_reason`` becomes ``tool_calls`` when a call ended the output."""
+        if self._new_tool_parser is None:
+            return {"role": "assistant", "content": s.detok.text}, s.finish_reason
+        parser = self._new_tool_parser()
+        content = parser.feed(s.detok.text).content + parser.finish().content
+        message: dict = {"role": "assistant", "content": content or None}
+        if parser.calls:
+            message["tool_calls"] = parser.calls
+        return message, self._finish_reason(s, parser)
+
+    @staticmethod
+    def _finish_reason(s: SequenceState, parser) -> str | None:
+        return "tool_calls" if parser.calls and s.finish_reason == "stop" else s.finish_reason
+
+    def _chat_delta(
+        self, choice: int, seq: SequenceState, text: str, finished: bool
+    ) -> tuple[dict, str | None]:
+        """A streamed chat ``delta`` and finish reason; with tools, content and tool-call pieces."""
+        reason = seq.finish_reason if finished else None
+        if self._new_tool_parser is None:
+            return ({"content": text} if text or not finished else {}), reason
+        parser = self._tool_parsers.get(choice)
+        if parser is None:
+            parser = self._tool_parsers[choice] = self._new_tool_parser()
+        parsed = parser.feed(text)
+        if finished:
+            tail = parser.finish()
+            parsed.content += tail.content
+            parsed.tool_calls += tail.tool_calls
+            reason = self._finish_reason(seq, parser)
+        delta: dict = {}
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            delta["tool_calls"] = [d.to_openai() for d in parsed.tool_calls]
+        return delta, reason
 
     # ------------------------------------------------------------------ streaming
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
@@ -158,7 +199,9 @@ class Renderer:
             lp = self.logprobs(choice, d.logprobs) if seq.params.logprobs is not None and d.logprobs else None
             reason = seq.finish_reason if d.finished else None
             if self.chat:
-                delta = {"content": d.text} if d.text or not d.finished else {}
+                delta, reason = self._chat_delta(choice, seq, d.text, d.finished)
+                if not delta and not d.finished and not lp:
+                    continue  # text held back by the tool-call parser
                 choices.append({"index": choice, "delta": delta, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": choice, "text": d.text, "logprobs": lp, "finish_reason": reason})

@@ -80,7 +80,9 @@ class ModelRunner:
         self.seqs: dict[int, WorkerSeq] = self.seq_table.seqs
         self.vocab_size = args.vocab_size
         self.sampler = Sampler(
-            eos_token_ids, self.vocab_size, lambda: model_grammar_backend(model_path, self.vocab_size, eos_token_ids)
+            eos_token_ids,
+            self.vocab_size,
+            lambda: model_grammar_backend(model_path, self.vocab_size, eos_token_ids),
         )
         self.info = WorkerInfo(
             self.block_size,
