@@ -4,7 +4,7 @@ Format (Hermes / Qwen2.5 style, the one tool-capable chat templates use): the mo
 as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A chat template that reads
 ``tools`` renders them itself; for one that does not (SmolLM2's), :func:`render_messages` puts the
 generic block :data:`GENERIC_TOOLS_PROMPT` into the system message and renders history tool calls and
-``tool`` results as text (``docs/tools.md``).
+``tool`` results as text (``docs/structured_output.md``).
 
 ``tool_choice`` (OpenAI):
 
