@@ -45,7 +45,9 @@ def test_regex_and_choice(pipe):
     assert yes_no.text in ("yes", "no")
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize(
+    "overlap", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["overlap", "serial"]
+)
 def test_preempted_structured_output_is_identical(request, overlap):
     roomy = request.getfixturevalue("pipe" if overlap else "pipe_serial")
     tiny = pipelines(request, True)[1]  # overlap on: the recompute path under test is the worker's

@@ -105,6 +105,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1)  # OpenAI rejects []
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
