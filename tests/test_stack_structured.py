@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from stack_harness import MODEL, local_stack, openai_client
+from stack_harness import MODEL, openai_client, recovery_stack
 from structured_cases import MAX_TOKENS, SCHEMA_CASES, TOOL_QUESTIONS, TOOL_SETS
 
 pytestmark = pytest.mark.slow  # a stack of its own (about a minute to start on 2 shared cores)
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # a stack of its own (about a minute to start on 
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    with local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32") as s:
+    with recovery_stack() as s:
         yield s
 
 

@@ -54,11 +54,17 @@ def test_preempted_structured_output_is_identical(request, overlap):
     cases = SCHEMA_CASES[:5]
     prompts = [chat(roomy, q) for q, _ in cases]
     ref = run_concurrently(
-        [lambda p=p, s=s: roomy(p, json_schema=s, **GREEDY)[0] for p, (_, s) in zip(prompts, cases, strict=True)]
+        [
+            lambda p=p, s=s: roomy(p, json_schema=s, **GREEDY)[0]
+            for p, (_, s) in zip(prompts, cases, strict=True)
+        ]
     )
     before = tiny.scheduler.num_preemptions
     got = run_concurrently(
-        [lambda p=p, s=s: tiny(p, json_schema=s, **GREEDY)[0] for p, (_, s) in zip(prompts, cases, strict=True)]
+        [
+            lambda p=p, s=s: tiny(p, json_schema=s, **GREEDY)[0]
+            for p, (_, s) in zip(prompts, cases, strict=True)
+        ]
     )
     assert tiny.scheduler.num_preemptions > before, "the tiny KV pool should have forced preemptions"
     for g, r, (_, schema) in zip(got, ref, cases, strict=True):
