@@ -195,20 +195,24 @@ class SeqMatcher:
 
 
 def apply_grammar_masks(
-    logits: torch.Tensor, matchers: list[SeqMatcher | None], output_ids: list[list[int]]
+    logits: torch.Tensor, matchers: list[SeqMatcher | None], output_ids: list[list[int]], vocab_size: int
 ) -> None:
-    """Set ``-inf`` in ``logits [S, V]`` (fp32, in place) where a row's grammar forbids the token.
+    """Set ``-inf`` in ``logits [S, W]`` (fp32, in place) where a row's grammar forbids the token.
 
     ``matchers[i]`` / ``output_ids[i]``: row i's matcher (None: unconstrained) and generated tokens.
-    Only constrained rows are filled and masked; each matcher is synced to its tokens first.
+    ``vocab_size``: the grammar backend's vocabulary; columns ``>= vocab_size`` (a padded lm_head)
+    are banned in constrained rows. Only constrained rows are filled and masked; each matcher is
+    synced to its tokens first.
     """
     import xgrammar as xgr
 
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return
-    bitmask = xgr.allocate_token_bitmask(len(logits), logits.shape[1])
+    bitmask = xgr.allocate_token_bitmask(len(logits), vocab_size)
     for i in rows:
         matchers[i].sync(output_ids[i])
         matchers[i].fill(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size, indices=rows)
+    if logits.shape[1] > vocab_size:
+        logits[rows, vocab_size:] = float("-inf")

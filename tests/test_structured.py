@@ -206,3 +206,14 @@ def test_tool_choice_and_messages_checked():
     ):
         with pytest.raises(InvalidRequestError):
             check_tool_messages(bad)
+
+
+def test_padded_logits_columns_are_banned_in_constrained_rows(sampler, tokenizer):
+    """A logits width above the vocabulary (padded lm_head): the extra columns never win."""
+    v = len(tokenizer)
+    st = SeqSamplingState.create(SamplingParams(temperature=0.0, choice=["yes", "no"]), [])
+    free = SeqSamplingState.create(SamplingParams(temperature=0.0), [])
+    logits = torch.randn(2, v + 64)
+    logits[:, v:] = 1e4
+    out = _run(sampler, [st, free], logits)
+    assert out[0] < v and out[1] >= v

@@ -350,7 +350,12 @@ class Sampler:
         for st in states:
             if st.params.constrained and st.matcher is None:
                 st.matcher = self._backend().matcher(st.params)
-        apply_grammar_masks(work, [st.matcher for st in states], [st.output_token_ids for st in states])
+        apply_grammar_masks(
+            work,
+            [st.matcher for st in states],
+            [st.output_token_ids for st in states],
+            self._backend().vocab_size,
+        )
 
     def _backend(self) -> GrammarBackend:
         if self._grammars is None:
