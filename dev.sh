@@ -4,6 +4,7 @@
 #   ./dev.sh generate "prompt" [options]          one generation in process (pipeline mode)
 #   ./dev.sh test [pytest options]                the test suite (CPU, starts its own redis-server)
 #   ./dev.sh test-containers [pytest options]     images built offline + the compose stack under Podman
+#   ./dev.sh test-structured [pytest options]     structured output + tool calls: unit, pipeline, stack (~7 min)
 #   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
 #   ./dev.sh scale [scale_out options]            scale-out on simulated workers, quick mode (< 3 min)
 set -euo pipefail
@@ -48,6 +49,10 @@ case "$cmd" in
   test-containers)
             setup; optional_tools podman mmdebstrap
             exec "$PY" -m pytest -q -m containers tests/deploy "$@" ;;
+  test-structured)
+            setup; optional_tools
+            exec "$PY" -m pytest -q tests/test_structured.py tests/test_structured_pipeline.py \
+              tests/test_stack_structured.py "$@" ;;
   bench)    setup; exec "$PY" -m benchmarks.run_bench --quick "$@" ;;
   scale)    setup; exec "$PY" -m benchmarks.scale_out --quick "$@" ;;
   *) sed -n '2,9p' "$0"; exit 2 ;;

@@ -194,3 +194,12 @@ def test_structured_output_survives_a_killed_worker(stack, client):
     assert got == baseline
     for text, (_, schema) in zip(got, cases, strict=True):
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_logit_bias_reaches_the_worker(client, smollm2_source):
+    tok = smollm2_source.load_tokenizer()
+    word = tok.encode(" yes", add_special_tokens=False)[0]
+    r = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(word): 100}
+    )
+    assert r.choices[0].text == tok.decode([word] * 4)
