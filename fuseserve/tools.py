@@ -262,8 +262,26 @@ class ToolCallParser:
             self._buffer = self._buffer[len(self._buffer) - keep :]
             return out
 
-    def finish(self) -> ParsedDelta:
-        """Flush at the end of the output: held-back text, an unterminated call, the forced array."""
+    def push(self, text: str, delta) -> None:
+        """The shared front end's ``TextParser`` protocol: :meth:`feed` ``text``, adding the content
+        to ``delta.text`` and the tool-call pieces to ``delta.tool_calls``."""
+        parsed = self.feed(text)
+        delta.text += parsed.content
+        delta.tool_calls.extend(parsed.tool_calls)
+
+    def finish(self, delta=None) -> ParsedDelta:
+        """Flush at the end of the output: held-back text, an unterminated call, the forced array.
+
+        With ``delta`` (the front end's ``TextParser`` protocol) the flushed pieces are also added
+        to ``delta.text`` / ``delta.tool_calls``.
+        """
+        out = self._flush()
+        if delta is not None:
+            delta.text += out.content
+            delta.tool_calls.extend(out.tool_calls)
+        return out
+
+    def _flush(self) -> ParsedDelta:
         out = ParsedDelta()
         if self.mode == "named":
             if not self._named_started:  # empty output: still one call

@@ -158,6 +158,22 @@ def test_parser_auto_streamed_equals_whole(step):
     assert calls == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}] * 2
 
 
+def test_parser_text_parser_protocol():
+    """``push(text, delta)`` / ``finish(delta)``: the shared front end's hook gives the same result."""
+
+    class Delta:
+        def __init__(self):
+            self.text, self.tool_calls = "", []
+
+    text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> bye'
+    parser, delta = ToolCallParser("auto"), Delta()
+    for i in range(0, len(text), 4):
+        parser.push(text[i : i + 4], delta)
+    parser.finish(delta)
+    assert delta.text == "Hi  bye"
+    assert [(c.name, c.arguments) for c in delta.tool_calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
 def test_parser_forced_modes():
     p = ToolCallParser("named", "get_weather")
     assert _stream(p, '{"city": "Oslo"}', 2) == (
