@@ -5,6 +5,7 @@
 #   ./dev.sh test [pytest options]                the test suite (CPU, starts its own redis-server)
 #   ./dev.sh test-containers [pytest options]     images built offline + the compose stack under Podman
 #   ./dev.sh test-structured [pytest options]     structured output + tool calls: unit, pipeline, stack (~7 min)
+#   ./dev.sh test-prometheus [pytest options]     a real Prometheus (Debian's, apt) scrapes a local stack
 #   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
 #   ./dev.sh scale [scale_out options]            scale-out on simulated workers, quick mode (< 3 min)
 set -euo pipefail
@@ -45,7 +46,7 @@ shift || true
 case "$cmd" in
   serve)    setup; exec "$VENV/bin/fuseserve" serve "$@" ;;
   generate) setup; exec "$VENV/bin/fuseserve" generate "$@" ;;
-  test)     setup; optional_tools; exec "$PY" -m pytest -q "$@" ;;
+  test)     setup; optional_tools prometheus; exec "$PY" -m pytest -q "$@" ;;
   test-containers)
             setup; optional_tools podman mmdebstrap
             exec "$PY" -m pytest -q -m containers tests/deploy "$@" ;;
@@ -53,7 +54,10 @@ case "$cmd" in
             setup; optional_tools
             exec "$PY" -m pytest -q tests/test_structured.py tests/test_structured_pipeline.py \
               tests/test_stack_structured.py "$@" ;;
+  test-prometheus)
+            setup; optional_tools prometheus
+            exec "$PY" -m pytest -q -m prometheus tests/test_prometheus_scrape.py "$@" ;;
   bench)    setup; exec "$PY" -m benchmarks.run_bench --quick "$@" ;;
   scale)    setup; exec "$PY" -m benchmarks.scale_out --quick "$@" ;;
-  *) sed -n '2,9p' "$0"; exit 2 ;;
+  *) sed -n '2,11p' "$0"; exit 2 ;;
 esac

@@ -16,6 +16,11 @@ given, two factors are measured here on the loaded engine:
                   `benchmarks.simulate` preset, ~9 ms); divides the token-rate thresholds;
   prompt factor = modelled A100 prefill throughput at the token budget / prefill throughput measured
                   here at the token budget; divides the 512 prompt tokens/s.
+
+Latency targets (``--target-itl 0.25 --target-prefill-rate 512``, the paper's scale) add a
+``splitfuse+slo`` system: SplitFuse with each pass sized from the targets, scaled like the SLA
+(ITL x token factor, prefill rate / prompt factor). Its records carry the mean and max budget chosen
+per pass (``mean_chosen_budget``, ``max_chosen_budget``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from benchmarks.workload import BenchRequest, SendFn, closed_loop, make_requests
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("splitfuse", "prefill_first", "whole_prompt")
+SLO_SYSTEM = "splitfuse+slo"  # SplitFuse with passes sized from --target-itl / --target-prefill-rate
 PEERS = ("transformers-cb", "transformers-generate")
 
 MODES: dict[str, dict[str, Any]] = {
@@ -128,6 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", help=f"comma-separated subset of {','.join((*POLICIES, *PEERS))}")
     ap.add_argument("--requests-per-client", type=int)
     ap.add_argument("--token-budget", type=int, default=None, help="default: profiled knee (cached)")
+    ap.add_argument(
+        "--target-itl",
+        type=float,
+        metavar="SECONDS",
+        help=f"add {SLO_SYSTEM}: passes sized to keep this inter-token latency (paper scale, e.g. 0.25; "
+        "scaled like the SLA)",
+    )
+    ap.add_argument(
+        "--target-prefill-rate",
+        type=float,
+        metavar="TOKENS_PER_S",
+        help=f"add {SLO_SYSTEM}: TTFT target = prompt / this rate (paper scale, e.g. 512; scaled like the SLA)",
+    )
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument(
         "--sla-factor", type=float, help="divide all paper thresholds by this (default: measured)"
@@ -149,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg["workloads"] = [(int(p), int(o))]
     if args.systems:
         cfg["systems"] = args.systems.split(",")
+    targeted = args.target_itl is not None or args.target_prefill_rate is not None
+    if targeted and SLO_SYSTEM not in cfg["systems"]:
+        cfg["systems"] = [*cfg["systems"], SLO_SYSTEM]
     if args.requests_per_client:
         cfg["requests_per_client"] = args.requests_per_client
     if args.url:
@@ -191,13 +213,22 @@ def main(argv: list[str] | None = None) -> int:
     sla_info: dict[str, float] = {"factor": args.sla_factor} if args.sla_factor else {}
     budget = args.token_budget
 
-    def sweep(system: str, policy: str | None, send: SendFn, extra: dict[str, Any]) -> None:
+    def sweep(
+        system: str, policy: str | None, send: SendFn, extra: dict[str, Any], budgets: list[int] | None = None
+    ) -> None:
         for wl, by_clients in workloads.items():
             warm_up(send, by_clients[cfg["clients"][0]])
             for n, reqs in by_clients.items():
                 label = system + (f"/{policy}" if policy else "")
                 log(f"  {label}: {n} clients, {len(reqs)} requests, prompt/output means {wl[0]}/{wl[1]}")
+                if budgets is not None:
+                    budgets.clear()
                 rec = run_cell(reqs, send, n, sla)
+                if budgets:
+                    rec |= {
+                        "mean_chosen_budget": sum(budgets) / len(budgets),
+                        "max_chosen_budget": max(budgets),
+                    }
                 rec |= {"system": system, "policy": policy, "clients": n, "workload": f"{wl[0]}/{wl[1]}",
                         "token_budget": budget, "flops_per_token": flops_per_token,
                         "mfu": mfu(rec["total_tokens_per_s"], flops_per_token, peak), "machine": machine,
@@ -215,11 +246,23 @@ def main(argv: list[str] | None = None) -> int:
         if sla is None:
             sla, sla_info = scale_sla(factor=16.0), {"factor": 16.0, "note": "default for --url"}
         sweep("openai@" + args.url, None, openai_send(args.url, args.served_model), {})
-    for policy in [s for s in cfg["systems"] if s in POLICIES]:
+    for policy in [s for s in cfg["systems"] if s in (*POLICIES, SLO_SYSTEM)]:
+        targets: dict[str, float | None] = {}
+        if policy == SLO_SYSTEM:
+            if sla is None:  # the SLA (and so the targets) are scaled on a loaded engine: load one
+                probe = fuseserve.pipeline(args.model, token_budget=budget, kv_cache_memory=args.kv_cache_memory,
+                                           progress=False)  # fmt: skip
+                budget = probe.token_budget
+                sla, sla_info = measure_sla(probe, budget)
+                probe.close()
+            targets = scaled_targets(args.target_itl, args.target_prefill_rate, sla_info)
+            log(f"{SLO_SYSTEM}: targets scaled like the SLA: {targets}")
         log(f"fuseserve policy={policy}: loading the pipeline")
         pipe = fuseserve.pipeline(args.model, token_budget=budget, kv_cache_memory=args.kv_cache_memory,
-                                  policy=policy, progress=False)  # fmt: skip
+                                  policy=policy.split("+")[0], progress=False, **targets)  # fmt: skip
         budget = pipe.token_budget
+        budgets: list[int] = []
+        pipe.scheduler.pass_observers.append(lambda _w, b, _n, into=budgets: into.append(b))
         if sla is None:
             sla, sla_info = measure_sla(pipe, budget)
             log(f"token budget {budget}; SLA scaled: token factor {sla_info['token_factor']:.1f} "
@@ -232,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
         send = send_from_blocking(lambda r, p=pipe: stream_tokens(p, r.prompt_token_ids, r.max_new_tokens))
         try:
-            sweep("fuseserve", policy, send, {})
+            sweep("fuseserve", policy, send, {"targets": targets} if targets else {}, budgets)
         finally:
             pipe.close()
     peers = [s for s in cfg["systems"] if s in PEERS]
@@ -265,6 +308,17 @@ def main(argv: list[str] | None = None) -> int:
         plot_token_latency(records, stem.parent / f"{stem.name}_token_latency.png")
         log(f"wrote {jsonl} and {stem.name}_*.png in {(time.perf_counter() - t_start) / 60:.1f} min")
     return 0
+
+
+def scaled_targets(itl: float | None, prefill_rate: float | None, sla_info: dict[str, float]) -> dict:
+    """Paper-scale targets scaled like the SLA: ITL x token factor, prefill rate / prompt factor (or
+    both by ``factor`` when the SLA factor was given)."""
+    token_factor = sla_info.get("token_factor", sla_info.get("factor", 1.0))
+    prompt_factor = sla_info.get("prompt_factor", sla_info.get("factor", 1.0))
+    return {
+        "target_itl": None if itl is None else itl * token_factor,
+        "target_prefill_rate": None if prefill_rate is None else prefill_rate / prompt_factor,
+    }
 
 
 def _kv_tokens(memory: str, config: Any) -> int:
@@ -303,7 +357,7 @@ def report(records: list[dict[str, Any]]) -> None:
     by = {(r["workload"], r["clients"], r["system"], r.get("policy")): r for r in records}
     print("\nRatios (same requests, same machine):")
     for wl, n, system, policy in by:
-        if system != "fuseserve" or policy != "splitfuse":
+        if system != "fuseserve" or policy not in ("splitfuse", SLO_SYSTEM):
             continue
         sf = by[(wl, n, system, policy)]
         pf = by.get((wl, n, "fuseserve", "prefill_first"))
@@ -318,7 +372,11 @@ def report(records: list[dict[str, Any]]) -> None:
                          f"{_ratio(sf['total_tokens_per_s'], cb['total_tokens_per_s']):.2f} (generated x"
                          f"{_ratio(sf['generated_tokens_per_s'], cb['generated_tokens_per_s']):.2f})")  # fmt: skip
         parts.append(f"MFU {sf['mfu']:.1%}")
-        print(f"  {wl} clients={n:>2}: " + "; ".join(parts))
+        if "mean_chosen_budget" in sf:
+            parts.append(
+                f"budget per pass mean {sf['mean_chosen_budget']:.0f}, max {sf['max_chosen_budget']}"
+            )
+        print(f"  {wl} clients={n:>2} {policy}: " + "; ".join(parts))
     print("\nCaveat: wall-clock measurements on a shared machine; see loadavg_1m in each record.")
 
 

@@ -12,10 +12,10 @@ workload) for ``--warmup`` seconds, then a measured window of ``--seconds``. Rep
 - generated tokens/s: tokens the workers sampled in the window (their ``fuseserve_sampled_tokens``
   metric) ÷ window; the clients' count (usage of requests finished in the window) is stored too;
 - scaling efficiency: tokens/s at N ÷ (N x tokens/s at 1);
-- each worker's busy fraction: increase of its ``fuseserve_step_seconds_sum`` ÷ window;
+- each worker's busy fraction: increase of its ``fuseserve_forward_time_seconds_sum`` ÷ window;
 - scheduler CPU per worker-step: the scheduler exposes no per-step CPU figure, so this is the
   scheduler PROCESS's CPU time (``/proc/PID/stat``, user + system, all threads) in each 1-s
-  interval ÷ the worker steps in that interval (sum of the workers' ``fuseserve_step_seconds_count``);
+  interval ÷ the worker steps in that interval (sum of the workers' ``fuseserve_forward_time_seconds_count``);
   p50 / p99 are over those intervals, and ``mean`` is the whole window's CPU ÷ its steps;
 - CPU used by each control-plane process (scheduler, gateway, Redis), all workers and this client,
   in cores, so the machine's headroom is visible;
@@ -78,17 +78,17 @@ class WorkerProbe:
 
 
 async def scrape(client: httpx.AsyncClient, port: int) -> dict[str, float]:
-    """Busy seconds, steps and sampled tokens from a worker's Prometheus text."""
+    """Busy seconds, steps and sampled tokens from a worker's Prometheus text (summed over labels)."""
     text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
-    out = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
         for key in (
-            "fuseserve_step_seconds_sum",
-            "fuseserve_step_seconds_count",
+            "fuseserve_forward_time_seconds_sum",
+            "fuseserve_forward_time_seconds_count",
             "fuseserve_sampled_tokens_total",
         ):
-            if line.startswith(key + " "):
-                out[key] = float(line.split()[1])
+            if line.startswith((key + " ", key + "{")):
+                out[key] = out.get(key, 0.0) + float(line.rsplit(maxsplit=1)[1])
     return out
 
 
@@ -244,8 +244,8 @@ class Bench:
         self._drain(since=time.time())
         deltas = [{k: e[k] - w.start.get(k, 0.0) for k in e} for e, w in zip(end, self.workers, strict=True)]
         tokens = [d["fuseserve_sampled_tokens_total"] for d in deltas]
-        steps = sum(d["fuseserve_step_seconds_count"] for d in deltas)
-        busy = [d["fuseserve_step_seconds_sum"] / wall for d in deltas]
+        steps = sum(d["fuseserve_forward_time_seconds_count"] for d in deltas)
+        busy = [d["fuseserve_forward_time_seconds_sum"] / wall for d in deltas]
         sched_cpu = cpu1["scheduler"] - cpu0["scheduler"]
         cores = {k: (cpu1[k] - cpu0[k]) / wall for k in procs}
         cores |= {"workers": (wcpu1 - wcpu0) / wall, "client": (me1 - me0) / wall}
@@ -283,7 +283,7 @@ class Bench:
 
     @staticmethod
     def _steps(snaps: list[dict[str, float]]) -> float:
-        return sum(s.get("fuseserve_step_seconds_count", 0.0) for s in snaps)
+        return sum(s.get("fuseserve_forward_time_seconds_count", 0.0) for s in snaps)
 
     async def _tick(self, seconds: float, label: str, what: str) -> None:
         end = time.monotonic() + seconds

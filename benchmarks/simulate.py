@@ -12,7 +12,14 @@ The latency model (a roofline per forward pass, stated inputs, nothing fitted to
 results) and its presets live in ``fuseserve.worker.latency_model``, which simulated gRPC workers
 (``fuseserve worker --simulate PRESET``) use too: one implementation.
 
-Run: ``python -m benchmarks.simulate`` (A100 + A6000 presets, both workload shapes).
+With ``--target-itl`` / ``--target-prefill-rate`` SplitFuse also runs with each pass sized from the
+targets (``fuseserve.scheduler.slo_budget``), printed beside the knee-budget run of the same command.
+Its latency prior is what a real worker's start-up profile gives (single-prompt passes of
+``PROFILE_SIZES`` tokens, here from the preset); the effect of context and sequence count is learned
+online from the simulated passes, as on a real worker.
+
+Run: ``python -m benchmarks.simulate`` (A100 + A6000 presets, both workload shapes);
+``python -m benchmarks.simulate --target-itl 0.25 --target-prefill-rate 512``.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from fuseserve.config import EngineConfig
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.scheduler import Scheduler
 from fuseserve.scheduler.sequence import Sequence
+from fuseserve.scheduler.slo_budget import curve_prior
 from fuseserve.types import SampledToken, StepPlan, StepResult
-from fuseserve.worker.latency_model import PRESETS, LatencyModel
+from fuseserve.worker.latency_model import PRESETS, PROFILE_SIZES, LatencyModel
 
 WORKLOADS = {"2600/60": (2600, 60), "1200/128": (1200, 128)}
 
@@ -51,6 +59,7 @@ class SimResult:
     num_passes: int
     max_pass_tokens: int
     pass_tokens: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)  # the token budget chosen for each pass
 
 
 def make_sim_requests(
@@ -92,16 +101,29 @@ def simulate(
     token_budget: int,
     block_size: int = 16,
     max_steps: int = 10_000_000,
+    target_itl: float | None = None,
+    target_prefill_rate: float | None = None,
 ) -> SimResult:
     """Closed-loop clients on a simulated clock against the real `Scheduler` with ``policy``.
 
     Each client sends its next request the moment its previous one finishes (at the end of that
-    pass). A token's timestamp is the end of the pass that sampled it.
+    pass). A token's timestamp is the end of the pass that sampled it. With targets, the scheduler
+    sizes passes from them (its clock is the simulated one).
     """
-    sched = Scheduler(EngineConfig(token_budget=token_budget, policy=policy, block_size=block_size), [])
-    num_blocks = max(1, model.kv_capacity_tokens // block_size)
-    sched.add_worker("sim", num_blocks, block_size, 1 << 20, token_budget)
+    config = EngineConfig(
+        token_budget=token_budget,
+        policy=policy,
+        block_size=block_size,
+        target_itl=target_itl,
+        target_prefill_rate=target_prefill_rate,
+    )
     worker = SimWorker(model)
+    sched = Scheduler(config, [], clock=lambda: worker.now)
+    num_blocks = max(1, model.kv_capacity_tokens // block_size)
+    profile = {n: model.latency(n) for n in PROFILE_SIZES}
+    sched.add_worker("sim", num_blocks, block_size, 1 << 20, token_budget, latency_prior=curve_prior(profile))
+    budgets: list[int] = []
+    sched.pass_observers.append(lambda _worker, budget, _tokens: budgets.append(budget))
     traces: dict[int, RequestTrace] = {}
     next_req = 0
 
@@ -144,6 +166,7 @@ def simulate(
         len(worker.pass_tokens),
         max(worker.pass_tokens, default=0),
         worker.pass_tokens,
+        budgets,
     )
 
 
@@ -156,26 +179,38 @@ def run_grid(
     seed: int,
     policies: Seq[str] = ("splitfuse", "prefill_first"),
     token_budget: int | None = None,
+    targets: tuple[float | None, float | None] = (None, None),
 ) -> list[dict]:
-    """Every (policy, clients) cell; returns `summarize` records with the simulation's inputs added."""
+    """Every (policy, clients) cell; returns `summarize` records with the simulation's inputs added.
+
+    ``targets``: ``(target_itl, target_prefill_rate)``; with any, a ``splitfuse+slo`` cell (SplitFuse
+    sized from the targets) is added to each client count.
+    """
     budget = token_budget or model.knee()
     sla = scale_sla(factor=1.0)
     records = []
+    runs = [(p, (None, None)) for p in policies]
+    if any(t is not None for t in targets):
+        runs.append(("splitfuse", targets))
     for n in clients:
         reqs = make_sim_requests(max(min_requests, requests_per_client * n), *workload, seed=seed + n)
-        for policy in policies:
-            res = simulate(model, reqs, n, policy, budget)
+        for policy, (itl, rate) in runs:
+            res = simulate(model, reqs, n, policy, budget, target_itl=itl, target_prefill_rate=rate)
             rec = summarize(res.traces, res.wall_seconds, sla)
             rec |= {
                 "simulation": True,
                 "system": "sim:" + model.name,
-                "policy": policy,
+                "policy": policy + ("+slo" if itl or rate else ""),
+                "target_itl_s": itl,
+                "target_prefill_rate": rate,
                 "clients": n,
                 "workload": f"{workload[0]}/{workload[1]}",
                 "token_budget": budget,
                 "num_passes": res.num_passes,
                 "max_pass_tokens": res.max_pass_tokens,
                 "mean_pass_tokens": float(np.mean(res.pass_tokens)) if res.pass_tokens else 0.0,
+                "mean_chosen_budget": float(np.mean(res.budgets)) if res.budgets else 0.0,
+                "max_chosen_budget": max(res.budgets, default=0),
             }
             records.append(rec)
     return records
@@ -186,27 +221,32 @@ def _ratio(a: float | None, b: float | None) -> float:
 
 
 def report(records: list[dict], token_rate: str = "4") -> list[str]:
-    """Table lines plus SplitFuse / prefill_first ratios per client count."""
+    """Table lines plus SplitFuse / prefill_first ratios per client count (knee budget, and sized
+    from the targets where a ``splitfuse+slo`` cell exists). ``budget``: mean chosen budget per pass."""
     lines = [
-        f"{'clients':>7} {'policy':>13} {'req/s':>7} {'eff req/s@' + token_rate:>13} "
-        f"{'P50 tok s':>9} {'P95 tok s':>9} {'TTFT s':>7} {'passes':>7}"
+        f"{'clients':>7} {'policy':>14} {'req/s':>7} {'eff req/s@' + token_rate:>13} "
+        f"{'P50 tok s':>9} {'P95 tok s':>9} {'TTFT s':>7} {'passes':>7} {'budget':>7} {'tok/pass':>8}"
     ]
     by = {(r["clients"], r["policy"]): r for r in records}
     for r in records:
         lines.append(
-            f"{r['clients']:>7} {r['policy']:>13} {r['requests_per_s']:>7.2f} "
+            f"{r['clients']:>7} {r['policy']:>14} {r['requests_per_s']:>7.2f} "
             f"{r['effective_requests_per_s'][token_rate]:>13.2f} {r['token_latency_p50_s']:>9.4f} "
-            f"{r['token_latency_p95_s']:>9.4f} {r['mean_ttft_s']:>7.3f} {r['num_passes']:>7}"
+            f"{r['token_latency_p95_s']:>9.4f} {r['mean_ttft_s']:>7.3f} {r['num_passes']:>7} "
+            f"{r.get('mean_chosen_budget', 0.0):>7.0f} {r['mean_pass_tokens']:>8.0f}"
         )
     for n in sorted({r["clients"] for r in records}):
-        sf, pf = by.get((n, "splitfuse")), by.get((n, "prefill_first"))
-        if sf and pf:
+        pf = by.get((n, "prefill_first"))
+        for name in ("splitfuse", "splitfuse+slo"):
+            sf = by.get((n, name))
+            if not (sf and pf):
+                continue
             eff = _ratio(
                 sf["effective_requests_per_s"][token_rate], pf["effective_requests_per_s"][token_rate]
             )
             p95 = _ratio(pf["token_latency_p95_s"], sf["token_latency_p95_s"])
             lines.append(
-                f"  clients={n:>2}: SplitFuse/prefill_first effective throughput x{eff:.2f}, "
+                f"  clients={n:>2}: {name + '/prefill_first':>27} effective throughput x{eff:.2f}, "
                 f"P95 token latency {p95:.2f}x lower"
             )
     return lines
@@ -220,6 +260,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token-budget", type=int, default=None, help="default: the model's knee")
+    ap.add_argument(
+        "--target-itl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="also run SplitFuse with passes sized to keep this inter-token latency (splitfuse+slo)",
+    )
+    ap.add_argument(
+        "--target-prefill-rate",
+        type=float,
+        default=None,
+        metavar="TOKENS_PER_S",
+        help="TTFT target = prompt tokens / this rate for the splitfuse+slo run (the paper's SLA: 512)",
+    )
     ap.add_argument("--out", default="benchmarks/results/simulate.jsonl")
     args = ap.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
@@ -250,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.min_requests,
                 args.seed,
                 token_budget=budget,
+                targets=(args.target_itl, args.target_prefill_rate),
             )
             for r in records:
                 write_jsonl(out, r | {"preset": key})

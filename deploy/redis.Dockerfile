@@ -19,6 +19,7 @@ USER 10002
 EXPOSE 6379
 HEALTHCHECK --interval=5s --timeout=3s --retries=10 CMD ["redis-cli", "ping"]
 # As the official image's entrypoint does: without a config file Redis starts in protected mode and
-# refuses connections from other containers. Set a password (--requirepass) on shared networks.
+# refuses connections from other containers. docker-compose.yml gives it a password (requirepass in a
+# config file written at start from FUSESERVE_REDIS_PASSWORD).
 ENTRYPOINT ["sh", "-c", "exec \"$@\" --protected-mode no", "redis"]
 CMD ["redis-server", "--save", "", "--appendonly", "no"]

@@ -14,9 +14,9 @@ __all__ = ["pipeline", "Pipeline", "serve", "Client", "Response", "SamplingParam
 
 if TYPE_CHECKING:
     from fuseserve.client import Client
-    from fuseserve.engine import Pipeline, pipeline
     from fuseserve.launcher import serve
     from fuseserve.outputs import Response
+    from fuseserve.pipeline import Pipeline, pipeline
     from fuseserve.sampling_params import SamplingParams
 
 
@@ -26,9 +26,10 @@ def __dir__() -> list[str]:
 
 def __getattr__(name: str):  # lazy: importing fuseserve must not import torch
     if name in ("pipeline", "Pipeline"):
-        from fuseserve import engine as module
+        import importlib
 
-        return getattr(module, name)
+        module = importlib.import_module("fuseserve.pipeline")  # binds fuseserve.pipeline to the module,
+        return getattr(module, name)  # which is callable (see fuseserve/pipeline.py)
     if name == "serve":
         from fuseserve.launcher import serve
 

@@ -8,6 +8,7 @@ import sys
 
 from fuseserve.config import ATTENTION_BACKENDS
 from fuseserve.errors import FuseServeError
+from fuseserve.frontend.params import add_cli_flags, cli_kwargs
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -53,39 +54,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument(
-        "--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)"
-    )
-    g.add_argument("--min-new-tokens", type=int, default=0, help="EOS is banned before this many tokens")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers semantics; 1 = off")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics, [-2, 2]")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics, [-2, 2]")
-    g.add_argument("--seed", type=int, default=None, help="per-request seed (same output whatever the batch)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-
-
-def _sampling_kwargs(a: argparse.Namespace) -> dict:
-    return dict(
-        max_new_tokens=a.max_new_tokens,
-        min_new_tokens=a.min_new_tokens,
-        temperature=a.temperature,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty,
-        presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty,
-        seed=a.seed,
-        stop=a.stop,
-        ignore_eos=a.ignore_eos,
-    )
+GENERATE_DEFAULTS = {"max_new_tokens": 128, "temperature": 0.0}
+"""``fuseserve generate`` defaults that differ from ``SamplingParams``' (greedy, longer answers)."""
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -101,9 +71,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         device=a.device,
         dtype=a.dtype,
         attention_backend=a.attention_backend,
+        target_itl=a.target_itl,
+        target_prefill_rate=a.target_prefill_rate,
     )
     try:
-        kwargs = _sampling_kwargs(a)
+        kwargs = cli_kwargs(a)
         for prompt in a.prompts:
             ids = prompt if a.raw else pipe.chat_prompt_ids([{"role": "user", "content": prompt}])
             if a.stream:
@@ -133,13 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
     )
-    _engine_args(g)
-    _sampling_args(g)
-    g.set_defaults(func=cmd_generate)
-
     from fuseserve import service_cli
 
+    _engine_args(g)
+    service_cli.slo_args(g)
+    add_cli_flags(g, GENERATE_DEFAULTS)
+    g.set_defaults(func=cmd_generate)
+
     service_cli.add_parsers(sub, _engine_args)
+    from fuseserve import top
+
+    top.add_parser(sub)
     for command in sub.choices.values():  # also accepted after the sub-command
         command.add_argument(
             "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING (default: WARNING)"

@@ -19,12 +19,16 @@ Redis), other 5xx → ``FuseServeError``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
+from fuseserve.config import API_KEY_ENV
 from fuseserve.errors import FuseServeError, InvalidRequestError, NoWorkerError, QueueFullError
+from fuseserve.frontend.encode import as_batch, is_token_ids
+from fuseserve.frontend.params import body_from_params
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import TokenLogprob
@@ -32,29 +36,9 @@ from fuseserve.types import TokenLogprob
 Prompt = str | list[int]
 
 
-def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
-
-
 def _body(params: SamplingParams, chat: bool) -> dict[str, Any]:
-    """OpenAI request fields for validated ``params``."""
-    body: dict[str, Any] = {
-        "max_tokens": params.max_new_tokens,
-        "min_tokens": params.min_new_tokens,
-        "temperature": params.temperature,
-        "top_k": params.top_k,
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "seed": params.seed,
-        "stop": list(params.stop),
-        "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": params.ignore_eos,
-        "include_stop_str_in_output": params.include_stop_str_in_output,
-        "return_token_ids": True,
-    }
+    """OpenAI request fields for validated ``params`` (``fuseserve.frontend.params``' one table)."""
+    body: dict[str, Any] = {**body_from_params(params), "return_token_ids": True}
     constraint = {
         name: value
         for name, value in (
@@ -102,11 +86,21 @@ def error_from_answer(
 class Client:
     """Talks to a gateway over HTTP. ``url``: its base URL, with or without the OpenAI-style ``/v1``;
     ``timeout``: seconds per request; ``model``: the served name to ask for (default: the first of
-    ``/v1/models``)."""
+    ``/v1/models``); ``api_key``: sent as ``Authorization: Bearer`` (default: ``$FUSESERVE_API_KEY``;
+    a gateway without keys ignores it). A refused key raises ``InvalidRequestError`` with
+    ``http_status`` 401."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, model: str | None = None):
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        timeout: float = 600.0,
+        model: str | None = None,
+        api_key: str | None = None,
+    ):
         self.url = url.rstrip("/").removesuffix("/v1")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        api_key = api_key or os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
         self._model = model
 
     # ------------------------------------------------------------------ public API
@@ -132,12 +126,9 @@ class Client:
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` for bad keywords before sending,
         and the gateway's errors typed (see the module docstring).
         """
-        single = isinstance(prompts, str) or _is_token_ids(prompts)
-        batch = [prompts] if single else list(prompts)
+        batch = as_batch(prompts)  # the pipeline's rules: [] is an empty prompt (an error)
         params = SamplingParams.from_kwargs(**sampling)
-        if not batch:
-            return []
-        uniform = all(isinstance(p, str) for p in batch) or all(_is_token_ids(p) for p in batch)
+        uniform = all(isinstance(p, str) for p in batch) or all(is_token_ids(p) for p in batch)
         groups = [batch] if uniform else [[p] for p in batch]
         out: list[Response] = []
         for group in groups:

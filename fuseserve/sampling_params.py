@@ -71,6 +71,20 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _param(default, help: str, *, openai: str | None = "", openai_type: object = None, cli: bool = True):
+    """A ``SamplingParams`` field with the facts every front end derives from it.
+
+    default: the value, or a factory (``list``) for mutable defaults. help: one line for ``--help``.
+    openai: the field's name in an OpenAI request body ("" = the same name; None = mapped by hand,
+    per endpoint, as ``logprobs``). openai_type: the body's type when it differs from the field's
+    (``stop`` also takes one string). cli: offer it as a ``fuseserve generate`` flag.
+    """
+    meta = {"help": help, "openai": openai, "openai_type": openai_type, "cli": cli}
+    if callable(default):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class SamplingParams:
     """How one request chooses its tokens and when it stops.
@@ -92,6 +106,8 @@ class SamplingParams:
     ignore_eos: keep generating past EOS (the EOS ids are never sampled).
     logprobs: None for none; 0 for the chosen token's logprob; N (<= 20) for the top-N as well.
     include_stop_str_in_output: keep the matched stop string at the end of the output text.
+    prompt_logprobs: None for none; N (<= 20) for each prompt token after the first its logprob and
+        the top-N alternatives (the OpenAI completions API's ``echo`` with ``logprobs``).
     json_schema: the output is JSON valid under this JSON Schema (a dict, or its JSON text; stored as
         text). ``{"type": "object"}`` is OpenAI's ``json_object`` mode.
     regex: the output matches this regular expression (whole output).
@@ -103,26 +119,37 @@ class SamplingParams:
         (OpenAI semantics; -100 effectively bans the token).
     """
 
-    max_new_tokens: int = 16
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    json_schema: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    max_new_tokens: int = _param(16, "tokens to generate at most", openai="max_tokens")
+    min_new_tokens: int = _param(
+        0, "EOS and stop_token_ids are banned before this many tokens", openai="min_tokens"
+    )
+    temperature: float = _param(1.0, "logits are divided by it; 0 = greedy")
+    top_k: int = _param(0, "keep the k most likely tokens; 0 or -1 = off")
+    top_p: float = _param(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
+    min_p: float = _param(0.0, "drop tokens below min_p x the top probability; 0 = off")
+    repetition_penalty: float = _param(1.0, "transformers semantics over prompt + output; 1 = off")
+    presence_penalty: float = _param(0.0, "OpenAI semantics, [-2, 2]")
+    frequency_penalty: float = _param(0.0, "OpenAI semantics, [-2, 2]")
+    seed: int | None = _param(None, "per-request seed (same output whatever the batch)")
+    stop: list[str] = _param(list, "stop string (repeatable)", openai_type=str | list[str] | None)
+    stop_token_ids: list[int] = _param(list, "token id that ends generation like EOS (repeatable)")
+    ignore_eos: bool = _param(False, "keep generating past EOS")
+    logprobs: int | None = _param(
+        None, "top-N logprobs per token (0: the chosen token's only)", openai=None, cli=False
+    )
+    include_stop_str_in_output: bool = _param(False, "keep the matched stop string in the text")
+    prompt_logprobs: int | None = _param(
+        None, "prompt tokens' logprobs with top-N alternatives (scoring)", openai=None, cli=False
+    )
+    json_schema: str | dict | None = _param(
+        None, "JSON Schema the output must satisfy", openai=None, cli=False
+    )
+    regex: str | None = _param(None, "regular expression the output must match", openai=None, cli=False)
+    choice: list[str] | None = _param(None, "the output is one of these strings", openai=None, cli=False)
+    grammar: str | None = _param(None, "EBNF grammar the output must derive from", openai=None, cli=False)
+    logit_bias: dict[int, float] = _param(
+        dict, "token id -> bias added to its logit", openai=None, cli=False
+    )
 
     def __post_init__(self):
         if isinstance(self.json_schema, dict):  # one canonical form (key order kept: it orders fields)
@@ -204,6 +231,12 @@ class SamplingParams:
         ):
             raise InvalidParameterError(
                 "logprobs", self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidParameterError(
+                "prompt_logprobs", self.prompt_logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]"
             )
         if not isinstance(self.include_stop_str_in_output, bool):
             raise InvalidParameterError(

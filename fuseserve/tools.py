@@ -48,9 +48,9 @@ For each function call, return a json object with function name and arguments wi
 _ANY_OBJECT = {"type": "object"}
 
 
-def template_supports_tools(tokenizer) -> bool:
-    """True when the tokenizer's chat template reads a ``tools`` variable."""
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+def template_supports_tools(template: str | None) -> bool:
+    """True when the chat template (Jinja text) reads a ``tools`` variable."""
+    return "tools" in (template or "")
 
 
 def check_tools(tools: list[dict], tool_choice) -> str | None:

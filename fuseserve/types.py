@@ -7,6 +7,7 @@ token id. ``fuseserve/proto/worker.proto`` mirrors these types field for field.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from fuseserve.sampling_params import SamplingParams
@@ -73,15 +74,62 @@ class SampledToken:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens of one sequence, computed by one pass.
+
+    start_pos: prompt position of the first entry (>= 1). logprobs: per position, the prompt
+    token's logprob. top: per position, the top-N alternatives (N = ``params.prompt_logprobs``).
+    """
+
+    seq_id: int
+    start_pos: int
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[TokenLogprob]] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
     """What a worker returns for a StepPlan: one SampledToken per chunk with ``sample=True``, in plan order.
 
     forward_seconds: wall seconds of the pass on the worker (prepare + forward + sample).
     idle_seconds: seconds the worker waited for this plan after its previous pass ended; None when
         not measured (an in-process runner, or the first pass after a reset).
+    prompt_logprobs: prompt-token logprobs computed by the pass (sequences that asked for them).
     """
 
     step_id: int
     tokens: list[SampledToken] = field(default_factory=list)
     forward_seconds: float = 0.0
     idle_seconds: float | None = None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended (the OpenAI ``finish_reason`` values fuseserve produces)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context window reached
+    ABORT = "abort"  # the client went away or asked to cancel
+
+
+@dataclass
+class TokenEvent:
+    """A token produced for a sequence by the engine core; ``finish_reason`` set on its last event.
+
+    hidden: the token ended the sequence as EOS / a stop token id and is not part of the text.
+    error: why the sequence failed (with ``finish_reason`` ABORT), e.g. the worker rejected its step;
+    error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
+    index: the token's position in the sequence's output (-1 without a token), fixed when the token is
+    applied: one poll may apply several results of a sequence, so it cannot be read off later.
+    prompt_logprobs: prompt-token logprobs (an event without a token); a recompute may resend
+    positions already sent.
+    """
+
+    seq_id: int
+    token: SampledToken | None
+    finish_reason: FinishReason | None = None
+    hidden: bool = False
+    error: str | None = None
+    error_status: int = 500
+    index: int = -1
+    prompt_logprobs: PromptLogprobs | None = None

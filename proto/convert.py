@@ -8,46 +8,40 @@ worker turns it back with :func:`step_plan_from_proto`, runs it, and answers wit
 
 from __future__ import annotations
 
+import dataclasses
+
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
-
-_PARAM_SCALARS = (
-    "max_new_tokens",
-    "min_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "ignore_eos",
-    "include_stop_str_in_output",
-)
-"""SamplingParams fields that are plain proto3 scalars (always present on the wire)."""
-
-_PARAM_OPTIONALS = ("seed", "logprobs", "json_schema", "regex", "grammar")
-"""SamplingParams fields where None matters: proto3 ``optional``, unset on the wire means None."""
-
-_PARAM_LISTS = ("stop", "stop_token_ids")
-"""SamplingParams fields that are repeated on the wire (lists in Python)."""
+from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 
 
 # ---------------------------------------------------------------------------------- SamplingParams
+def _param_fields() -> list[tuple[str, object]]:
+    """``(name, proto field descriptor)`` of every ``SamplingParams`` field: the proto message mirrors
+    the dataclass by name, so a field added to both travels without an edit here."""
+    by_name = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    missing = [f.name for f in dataclasses.fields(SamplingParams) if f.name not in by_name]
+    if missing:
+        raise TypeError(f"proto SamplingParams lacks field(s) {missing}; add them to worker.proto")
+    return [(f.name, by_name[f.name]) for f in dataclasses.fields(SamplingParams)]
+
+
+def _is_map(fd) -> bool:
+    return fd.message_type is not None and fd.message_type.GetOptions().map_entry
+
+
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    """SamplingParams → ``fuseserve.worker.v1.SamplingParams`` (None optionals stay unset)."""
+    """SamplingParams → ``fuseserve.worker.v1.SamplingParams``: repeated and map fields from lists
+    and dicts, None left unset on ``optional`` fields, scalars as they are."""
     msg = pb.SamplingParams()
-    for name in _PARAM_SCALARS:
-        setattr(msg, name, getattr(params, name))
-    for name in _PARAM_OPTIONALS:
+    for name, fd in _param_fields():
         value = getattr(params, name)
-        if value is not None:
+        if _is_map(fd):
+            getattr(msg, name).update(value or {})
+        elif fd.is_repeated:
+            getattr(msg, name).extend(value or [])
+        elif value is not None:
             setattr(msg, name, value)
-    for name in _PARAM_LISTS:
-        getattr(msg, name).extend(getattr(params, name))
-    msg.choice.extend(params.choice or [])
-    msg.logit_bias.update(params.logit_bias)
     return msg
 
 
@@ -56,17 +50,21 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_m
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """``fuseserve.worker.v1.SamplingParams`` → SamplingParams (unset optionals become None).
+    """``fuseserve.worker.v1.SamplingParams`` → SamplingParams (unset ``optional`` fields become None).
 
     Built with ``SamplingParams(**fields)``; not re-validated (the gateway validated it already).
     """
-    fields: dict[str, object] = {name: getattr(msg, name) for name in _PARAM_SCALARS}
-    for name in _PARAM_OPTIONALS:
-        fields[name] = getattr(msg, name) if msg.HasField(name) else None
-    for name in _PARAM_LISTS:
-        fields[name] = list(getattr(msg, name))
-    fields["choice"] = list(msg.choice) or None
-    fields["logit_bias"] = dict(msg.logit_bias)
+    fields: dict[str, object] = {}
+    nullable = {f.name for f in dataclasses.fields(SamplingParams) if f.default is None}
+    for name, fd in _param_fields():
+        if _is_map(fd):
+            fields[name] = dict(getattr(msg, name))
+        elif fd.is_repeated:  # empty means None where None is the default (``choice``)
+            fields[name] = list(getattr(msg, name)) or (None if name in nullable else [])
+        elif fd.has_presence:
+            fields[name] = getattr(msg, name) if msg.HasField(name) else None
+        else:
+            fields[name] = getattr(msg, name)
     return SamplingParams(**fields)
 
 
@@ -123,7 +121,7 @@ def sampled_token_to_proto(token: SampledToken) -> pb.SampledToken:
     msg = pb.SampledToken(
         seq_id=token.seq_id,
         token_id=token.token_id,
-        top_logprobs=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in token.top_logprobs],
+        top_logprobs=_logprobs_to_proto(token.top_logprobs),
     )
     if token.logprob is not None:
         msg.logprob = token.logprob
@@ -136,7 +134,7 @@ def sampled_token_from_proto(msg: pb.SampledToken) -> SampledToken:
         seq_id=msg.seq_id,
         token_id=msg.token_id,
         logprob=msg.logprob if msg.HasField("logprob") else None,
-        top_logprobs=[TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in msg.top_logprobs],
+        top_logprobs=_logprobs_from_proto(msg.top_logprobs),
     )
 
 
@@ -148,6 +146,15 @@ def step_result_to_proto(result: StepResult, num_free_blocks: int = 0) -> pb.Ste
         forward_seconds=result.forward_seconds,
         num_free_blocks=num_free_blocks,
         idle_seconds=result.idle_seconds,
+        prompt_logprobs=[
+            pb.PromptLogprobs(
+                seq_id=p.seq_id,
+                start_pos=p.start_pos,
+                logprobs=p.logprobs,
+                top=[pb.TopLogprobs(entries=_logprobs_to_proto(t)) for t in p.top],
+            )
+            for p in result.prompt_logprobs
+        ],
     )
 
 
@@ -158,4 +165,18 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
         tokens=[sampled_token_from_proto(t) for t in msg.tokens],
         forward_seconds=msg.forward_seconds,
         idle_seconds=msg.idle_seconds if msg.HasField("idle_seconds") else None,
+        prompt_logprobs=[
+            PromptLogprobs(
+                p.seq_id, p.start_pos, list(p.logprobs), [_logprobs_from_proto(t.entries) for t in p.top]
+            )
+            for p in msg.prompt_logprobs
+        ],
     )
+
+
+def _logprobs_to_proto(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in entries]
+
+
+def _logprobs_from_proto(entries) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in entries]

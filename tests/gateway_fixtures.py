@@ -12,6 +12,7 @@ import httpx
 import pytest
 from gateway_harness import FakeScheduler, ServedApp
 
+from fuseserve.config import RequestLimits
 from fuseserve.gateway.app import GatewaySettings, create_app
 from fuseserve.redis_launcher import launch_redis
 
@@ -49,7 +50,7 @@ def app(redis_server, smollm2_source, fake):
     settings = GatewaySettings(
         redis_server.url,
         source=smollm2_source,
-        max_body_bytes=MAX_BODY,
+        limits=RequestLimits(max_body_bytes=MAX_BODY),
         max_queue=MAX_QUEUE,
         admission_cache_s=0,
         disconnect_poll_s=0.1,

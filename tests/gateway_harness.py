@@ -52,6 +52,7 @@ class FakeScheduler:
     would (no heartbeat, no events); ``revive()`` restarts it with no sequence in flight."""
 
     def __init__(self, url: str):
+        self.url = url  # the Redis URL (with its password)
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.token_delay = 0.0
         self.error_next: dict | None = None
@@ -182,10 +183,12 @@ class FakeScheduler:
 class ServedApp:
     """An ASGI app served by uvicorn in a thread on a free loopback port; ``url`` is its base URL."""
 
-    def __init__(self, app, startup_timeout: float = 20.0):
+    def __init__(self, app, startup_timeout: float = 20.0, **config):
+        """``config``: more ``uvicorn.Config`` options (``log_level`` defaults to "warning")."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = {"log_level": "warning", **config}
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, lifespan="on", **config)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self._thread.start()

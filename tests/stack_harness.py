@@ -1,10 +1,16 @@
-"""Test helper: a local stack (the code behind ``fuseserve serve``) on SmolLM2 with 2 CPU workers."""
+"""Test helpers: a local stack (the code behind ``fuseserve serve``) on SmolLM2 with 2 CPU workers, and
+what the stack tests ask of it (streams, schedulers' pending requests and stats)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 from collections.abc import Iterator
 
+import pytest
+
+from fuseserve import messages
 from fuseserve.redis_launcher import free_port
 
 MODEL = "smollm2-135m-instruct"
@@ -12,14 +18,16 @@ MODEL = "smollm2-135m-instruct"
 
 @contextlib.contextmanager
 def local_stack(
-    token_budget: int, kv_cache_memory: str, dtype: str | None = None
+    token_budget: int, kv_cache_memory: str, dtype: str | None = None, schedulers: int = 1
 ) -> Iterator[tuple[object, str]]:
-    """``fuseserve.serve`` with 2 CPU workers (1 thread each); yields ``(stack, base_url)``."""
+    """``fuseserve.serve`` with 2 CPU workers (1 thread each) and ``schedulers`` schedulers; yields
+    ``(stack, base_url)``."""
     import fuseserve
 
     with fuseserve.serve(
         MODEL,
         workers=2,
+        schedulers=schedulers,
         port=free_port(),
         token_budget=token_budget,
         kv_cache_memory=kv_cache_memory,
@@ -38,7 +46,116 @@ def recovery_stack():
 
 
 def openai_client(base: str, **kwargs):
-    """The official ``openai`` client pointed at the stack."""
+    """The official ``openai`` client pointed at the stack (``api_key`` for a stack that needs one)."""
     import openai
 
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, **kwargs)
+    kwargs.setdefault("api_key", "unused")
+    return openai.OpenAI(base_url=f"{base}/v1", timeout=300, **kwargs)
+
+
+def ask_streamed(client, prompt: str, max_tokens: int, progress: list | None = None) -> tuple[str, int]:
+    """Stream one greedy completion of ``max_tokens`` tokens (EOS ignored); returns its text and the
+    completion tokens counted by the usage chunk. ``progress``: a list each text chunk appends to."""
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            if progress is not None:
+                progress.append(1)
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return text, usage
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
+    """Poll ``predicate()`` every 20 ms until it returns something true; returns it. Raises
+    ``AssertionError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def busiest_scheduler(stack) -> tuple[str, str]:
+    """``(process name, consumer name)`` of the scheduler holding the most unfinished requests (its
+    pending entries in the consumer group), once one holds some."""
+    import redis
+
+    r = redis.Redis.from_url(stack.redis.url, decode_responses=True)
+
+    def busiest():
+        pending = r.xpending(messages.REQUESTS, messages.SCHEDULER_GROUP)
+        consumers = [c for c in pending["consumers"] if c["pending"] > 0]
+        return max(consumers, key=lambda c: c["pending"])["name"] if consumers else None
+
+    consumer = wait_for(busiest, what="a scheduler holding a request")
+    pid = int(consumer.rsplit("-", 2)[1])  # consumer names are host-pid-suffix
+    return next(name for name, p in stack.procs if p.pid == pid), consumer
+
+
+def stats_of_live_schedulers(stack) -> list[dict]:
+    """The stats each live scheduler wrote in the last seconds (``messages.scheduler_stats_key``)."""
+    import redis
+
+    r = redis.Redis.from_url(stack.redis.url, decode_responses=True)
+    out = []
+    for key in r.scan_iter(match=f"{messages.SCHEDULER_STATS}:*"):
+        raw = r.get(key)
+        if raw:
+            out.append(json.loads(raw))
+    return out
+
+
+def worker_record(stack, worker_id: str) -> messages.WorkerRecord | None:
+    """``worker_id``'s record in Redis, or None once it is deregistered (or expired)."""
+    import redis
+
+    raw = redis.Redis.from_url(stack.redis.url).get(messages.worker_key(worker_id))
+    return None if raw is None else messages.WorkerRecord.decode(raw)
+
+
+def worker_num_running(stack, worker_id: str) -> int:
+    """The sequences ``worker_id`` holds now, as its gRPC ``Health`` reports them."""
+    import grpc
+
+    from fuseserve.proto import worker_pb2 as pb
+    from fuseserve.proto import worker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(worker_record(stack, worker_id).address) as channel:
+        return pb_grpc.WorkerStub(channel).Health(pb.HealthRequest(), timeout=10).num_running_seqs
+
+
+def proc_named(stack, name: str):
+    """The child process called ``name`` (``stack.procs``)."""
+    return next(p for n, p in stack.procs if n == name)
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_source):
+    """The stack of a test module (fp32, budget 64): ``(stack, base_url)``; import it by name."""
+    with local_stack(token_budget=64, kv_cache_memory="128MiB", dtype="float32") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def pipe(smollm2_source):
+    """The pipeline with the stack's settings (fp32, budget 64), to compare with it; import it by name."""
+    import fuseserve
+
+    p = fuseserve.pipeline(
+        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", dtype="float32", progress=False
+    )
+    yield p
+    p.close()

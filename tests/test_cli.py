@@ -50,3 +50,27 @@ def test_missing_model_is_one_clear_error(tmp_path):
     assert len(lines) == 1, r.stderr
     assert "error" in lines[0] and str(missing) in lines[0]
     assert r.stdout == ""
+
+
+def test_serve_model_positional_and_front_end_options_reach_the_gateway():
+    from fuseserve.cli import build_parser
+    from fuseserve.launcher import _front_end_argv
+    from fuseserve.service_cli import _with_model
+
+    argv = [
+        "serve",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "--served-model-name",
+        "a",
+        "b",
+        "--max-model-len",
+        "512",
+    ]
+    a = _with_model(build_parser().parse_args([*argv, "--chat-template", "t.jinja", "--tokenizer", "tok"]))
+    assert a.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert _front_end_argv(a) == [
+        "--served-model-name", "a", "b", "--max-model-len", "512", "--chat-template", "t.jinja", "--tokenizer", "tok",
+    ]  # fmt: skip
+    gw = build_parser().parse_args(["gateway", "--redis-url", "redis://x", *_front_end_argv(a)])
+    assert gw.served_model_name == ["a", "b"] and gw.max_model_len == 512
+    assert _with_model(build_parser().parse_args(["serve"])).model == "smollm2-135m-instruct"

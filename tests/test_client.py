@@ -42,9 +42,7 @@ def _reset_fake(fake):
 
 @pytest.fixture(scope="module")
 def client(fake, smollm2_source):
-    url = fake.r.connection_pool.connection_kwargs
-    redis_url = f"redis://{url['host']}:{url['port']}/0"
-    settings = GatewaySettings(redis_url, source=smollm2_source, max_queue=MAX_QUEUE, admission_cache_s=0)
+    settings = GatewaySettings(fake.url, source=smollm2_source, max_queue=MAX_QUEUE, admission_cache_s=0)
     served = ServedApp(create_app(settings))
     with fuseserve.Client(served.url, timeout=20) as c:
         yield c
@@ -68,7 +66,8 @@ def test_generate_single_batch_and_token_ids(client, tok):
     assert [o.text for o in out] == ["first one", prompt]
     out = client.generate(["a b c d", "d e"], max_new_tokens=3)
     assert [o.text for o in out] == ["a b c", "d e"] and [o.finish_reason for o in out] == ["length", "stop"]
-    assert client.generate([]) == []
+    with pytest.raises(InvalidRequestError, match="empty"):  # as the pipeline: [] is an empty prompt
+        client.generate([])
 
 
 def test_defaults_match_the_pipeline(client, fake):

@@ -30,15 +30,17 @@ def test_models_health_metrics(http, fake):
     assert http.get("/health").json() == {"status": "ok", "workers": 1}
     text = http.get("/metrics").text
     for name in (
-        "fuseserve_requests_total",
-        "fuseserve_request_latency_seconds",
-        "fuseserve_ttft_seconds",
+        "fuseserve_http_requests_total",
+        "fuseserve_e2e_request_latency_seconds",
+        "fuseserve_time_to_first_token_seconds",
         "fuseserve_inter_token_latency_seconds",
-        "fuseserve_generated_tokens_total",
+        "fuseserve_generation_tokens_total",
         "fuseserve_prompt_tokens_total",
-        "fuseserve_queue_depth",
+        "fuseserve_request_success_total",
+        "fuseserve_num_requests_in_flight",
     ):
         assert name in text
+    assert "fuseserve_queue_depth" not in text  # the scheduler's to export (one owner)
 
 
 # --------------------------------------------------------------------------- completions
@@ -112,10 +114,28 @@ def test_stop_string_cuts_text_and_aborts(http, fake):
     assert body["choices"][0]["text"] == "one two three four"
 
 
+def metric_values(http) -> dict[str, float]:
+    """Every series of the gateway's /metrics: ``'name{labels}'`` → value."""
+    text = http.get("/metrics").text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and line[0] != "#"
+    }
+
+
 def test_duplicate_events_are_dropped(http, fake):
-    fake.duplicate = True
+    fake.duplicate = True  # as a scheduler resends after a failover
+    tokens, stops = (
+        f'fuseserve_generation_tokens_total{{model_name="{MODEL}"}}',
+        f'fuseserve_request_success_total{{finished_reason="stop",model_name="{MODEL}"}}',
+    )
+    before = metric_values(http)
     body = post(http, "/v1/completions", prompt="no doubled words").json()
     assert body["choices"][0]["text"] == "no doubled words"
+    after = metric_values(http)
+    assert after[tokens] - before[tokens] == body["usage"]["completion_tokens"]  # counted once
+    assert after[stops] - before[stops] == 1
 
 
 def test_completion_logprobs_and_token_ids(http, tok):
@@ -196,9 +216,10 @@ BAD_COMPLETIONS = [
     ({"prompt": [10**9]}, 400, "prompt", "outside"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs", ""),
     ({"prompt": "x", "n": 0}, 400, "n", ""),
-    ({"prompt": "x", "echo": True}, 400, "echo", ""),
+    ({"prompt": "x", "echo": True, "stream": True}, 400, "echo", "stream"),
+    ({"prompt": "x", "echo": True, "max_tokens": -1}, 400, "max_tokens", ""),
     ({"prompt": "x", "best_of": 2}, 400, "best_of", "best_of"),
-    ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
     ({"prompt": "x", "max_tokens": 9000}, 400, "max_tokens", "8192"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "gpt-4"),
     ({"max_tokens": 3}, 400, "prompt", "prompt"),
@@ -272,6 +293,32 @@ def test_constraints_reach_the_scheduler(http, fake):
     assert fake.requests[-1].params["choice"] == ["a", "b"]
 
 
+def test_request_field_policy(http):
+    """vLLM's policy: no-op fields accepted; unknown ones accepted and named in a header;
+    known output-changing fields that are not implemented are a 400 naming them."""
+    noop = dict(
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        prompt_cache_key="c",
+        safety_identifier="s",
+        stream_options={"include_obfuscation": False},
+        parallel_tool_calls=True,
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(http, "/v1/chat/completions", messages=messages, max_tokens=2, **noop)
+    assert r.status_code == 200, r.text
+    assert "x-fuseserve-ignored-fields" not in r.headers
+    r = post(http, "/v1/completions", prompt="x", max_tokens=2, frobnicate=1, another={"a": 1})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-fuseserve-ignored-fields"] == "another,frobnicate"
+    r = post(http, "/v1/completions", prompt="x", max_tokens=2, stream=True, frobnicate=1)
+    assert r.headers["x-fuseserve-ignored-fields"] == "frobnicate"
+    for name, value in (("reasoning_effort", "low"), ("audio", {"voice": "x"})):
+        assert_error(post(http, "/v1/chat/completions", messages=messages, **{name: value}), 400, name, name)
+
+
 def test_model_field_required(http):
     assert_error(http.post("/v1/completions", json={"prompt": "x"}), 400, "model", "model")
 
@@ -290,7 +337,6 @@ def test_queue_full_429(http, fake):
     r = post(http, "/v1/completions", prompt="x")
     assert_error(r, 429, contains=str(MAX_QUEUE))
     assert int(r.headers["retry-after"]) >= 1
-    assert "fuseserve_queue_depth 8.0" in http.get("/metrics").text
     fake.set_waiting(MAX_QUEUE - 1)
     assert_works(http)
 
@@ -318,7 +364,10 @@ def test_scheduler_error_event(http, fake):
     }
     assert_error(post(http, "/v1/completions", prompt="x"), 400, contains="too long")
     fake.error_next = {"message": "worker lost", "type": "server_error", "status": 503}
+    failed = f'fuseserve_request_success_total{{finished_reason="error",model_name="{MODEL}"}}'
+    before = metric_values(http)[failed]
     events = sse_events(http, "/v1/completions", prompt="x")
+    assert metric_values(http)[failed] == before + 1  # the HTTP status was 200: counted as an error here
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["message"] == "worker lost" and events[-2]["error"]["status"] == 503
     assert_works(http)
@@ -367,14 +416,16 @@ def test_metrics_count_outcomes(http):
         for line in text.splitlines()
         if line and not line.startswith("#")
     }
-    assert values['fuseserve_requests_total{status="ok"}'] >= 10
-    assert values['fuseserve_requests_total{status="client_error"}'] >= 20
-    assert values['fuseserve_requests_total{status="abort"}'] >= 2
-    assert values["fuseserve_generated_tokens_total"] > 0 and values["fuseserve_prompt_tokens_total"] > 0
-    assert (
-        values["fuseserve_ttft_seconds_count"] > 0
-        and values["fuseserve_inter_token_latency_seconds_count"] > 0
-    )
+    m = f'model_name="{MODEL}"'
+    assert values[f'fuseserve_http_requests_total{{{m},status="200"}}'] >= 10
+    assert values[f'fuseserve_http_requests_total{{{m},status="400"}}'] >= 20
+    assert values[f'fuseserve_request_success_total{{finished_reason="abort",{m}}}'] >= 2
+    assert values[f'fuseserve_request_success_total{{finished_reason="stop",{m}}}'] >= 5
+    assert values[f"fuseserve_generation_tokens_total{{{m}}}"] > 0
+    assert values[f"fuseserve_prompt_tokens_total{{{m}}}"] > 0
+    assert values[f"fuseserve_time_to_first_token_seconds_count{{{m}}}"] > 0
+    assert values[f"fuseserve_inter_token_latency_seconds_count{{{m}}}"] > 0
+    assert values[f"fuseserve_num_requests_in_flight{{{m}}}"] == 0
 
 
 # --------------------------------------------------------------------------- the official openai package

@@ -86,6 +86,34 @@ def test_redis_password_comes_from_the_secret_and_every_service_uses_it(objects)
         assert url == "redis://:$(REDIS_PASSWORD)@redis:6379", name
 
 
+def test_gateway_requires_the_api_key_from_its_secret(objects):
+    from fuseserve.config import API_KEY_ENV
+
+    secrets = by_kind(objects, "Secret")
+    gateway = _container(by_kind(objects, "Deployment")["gateway"])
+    ref = {e["name"]: e for e in gateway["env"]}[API_KEY_ENV]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] in secrets and ref["key"] in secrets[ref["name"]]["data"]
+    assert ref["name"].startswith("gateway-api-key")  # kustomize's content hash: pods roll on a new key
+    for name, deployment in by_kind(objects, "Deployment").items():
+        if name != "gateway":  # only the gateway holds the key
+            assert API_KEY_ENV not in {e["name"] for e in _container(deployment).get("env", [])}, name
+
+
+def test_network_policies_keep_grpc_and_redis_internal(objects):
+    policies = by_kind(objects, "NetworkPolicy")
+    deployments = by_kind(objects, "Deployment")
+    worker = policies["worker"]["spec"]
+    assert worker["podSelector"]["matchLabels"] == deployments["worker"]["spec"]["selector"]["matchLabels"]
+    grpc_rule, metrics_rule = worker["ingress"]
+    assert grpc_rule["ports"] == [{"port": "grpc"}]
+    assert grpc_rule["from"] == [{"podSelector": deployments["scheduler"]["spec"]["selector"]}]
+    assert metrics_rule == {"ports": [{"port": "metrics"}]}  # scrapers anywhere, nothing else
+    (redis_rule,) = policies["redis"]["spec"]["ingress"]
+    allowed = redis_rule["from"][0]["podSelector"]["matchExpressions"][0]["values"]
+    assert set(allowed) == {"gateway", "scheduler", "worker"} and redis_rule["ports"] == [{"port": "redis"}]
+    assert policies["scheduler"]["spec"]["ingress"] == [{"ports": [{"port": "metrics"}]}]
+
+
 def test_probes_gpu_and_disruption_budget(objects):
     deployments = by_kind(objects, "Deployment")
     gateway = _container(deployments["gateway"])

@@ -266,3 +266,29 @@ def test_stale_temp_dir_from_killed_conversion_is_removed(tmp_path, monkeypatch)
     monkeypatch.setattr(gguf_cache, "convert_gguf", fake_convert)
     resolve_model(fake, cache_dir=tmp_path / "cache")
     assert not stale.exists()
+
+
+def _hub_cache(root, repo_id: str, files_from) -> None:
+    """A Hugging Face cache with ``repo_id`` at one snapshot, its files linked from ``files_from``."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in files_from.iterdir():
+        if f.is_file() and f.name != "fuseserve_source.json":
+            (snapshot / f.name).symlink_to(f)
+
+
+def test_hub_id_resolves_offline_from_a_local_hf_cache(tmp_path, monkeypatch, smollm2_source):
+    repo_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    _hub_cache(tmp_path, repo_id, smollm2_source.path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = resolve_model(repo_id)
+    assert src.name == repo_id and src.path.parent.name == "snapshots"
+    assert src.config.vocab_size == smollm2_source.config.vocab_size
+    assert src.load_tokenizer()("Hello")["input_ids"] == smollm2_source.load_tokenizer()("Hello")["input_ids"]
+    with pytest.raises(ModelLoadError, match="'HuggingFaceTB/not-there'.*HF_HUB_OFFLINE"):
+        resolve_model("HuggingFaceTB/not-there")

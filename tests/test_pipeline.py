@@ -279,3 +279,31 @@ def test_stops_learned_a_pass_late_never_leak(pipe, pipe_serial):
                 assert g.generated_tokens == kw["max_new_tokens"]
     wait_all_free(pipe)
     wait_all_free(pipe_serial)
+
+
+def test_latency_targets_keep_greedy_outputs(pipe, smollm2_source):
+    """With targets each pass's budget is chosen per pass (prior: this device's start-up profile);
+    the greedy tokens stay those of the fixed-budget pipeline."""
+    import fuseserve
+
+    prompts = [chat(pipe, q) for q in ("What is 2 + 2?", "Describe the sea in detail.", "Who wrote Hamlet?")]
+    greedy = dict(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    ref = run_concurrently([lambda p=p: pipe(p, **greedy)[0] for p in prompts])
+    slo = fuseserve.pipeline(
+        str(smollm2_source.path),
+        token_budget=16,
+        kv_cache_memory="256MiB",
+        dtype="float32",
+        progress=False,
+        target_itl=30.0,
+        target_prefill_rate=1e9,  # every prompt is past its deadline at once: passes grow to the limit
+    )
+    budgets = []
+    slo.scheduler.pass_observers.append(lambda _w, b, _n: budgets.append(b))
+    try:
+        assert slo.scheduler.slots["local"].latency.ready  # the profile is the prior
+        got = run_concurrently([lambda p=p: slo(p, **greedy)[0] for p in prompts])
+    finally:
+        slo.close()
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    assert max(budgets) > 16  # grown past the fixed budget while prompts waited

@@ -80,18 +80,14 @@ def test_request_larger_than_the_kv_pool_raises_not_hangs(tiny):
     assert e.value.param == "max_tokens"
 
 
-def test_empty_prompt_generates_from_bos_or_raises(pipe):
-    for prompt in ("", []):
-        try:
-            out = in_thread(
-                lambda p=prompt: list(pipe.stream(p, temperature=0.0, max_new_tokens=4)), timeout=60
-            )
-        except InvalidRequestError as e:
-            assert e.param == "prompt"
-            continue
-        assert isinstance(out, list)
-    r = in_thread(lambda: pipe("", temperature=0.0, max_new_tokens=4), timeout=60)
-    assert len(r) == 1 and r[0].prompt_tokens == 1 and r[0].generated_tokens >= 1
+def test_empty_prompt_raises_as_in_the_gateway(pipe):
+    """As vLLM ("the decoder prompt cannot be empty"), and as the gateway's 400."""
+    for prompt in ("", [], [""]):
+        with pytest.raises(InvalidRequestError, match="empty") as e:
+            pipe(prompt, max_new_tokens=4)
+        assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="empty"):
+        next(iter(pipe.stream("", max_new_tokens=4)))
 
 
 def test_bad_prompt_types_raise(pipe):

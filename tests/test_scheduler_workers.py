@@ -179,3 +179,30 @@ def test_failed_plan_fails_only_its_sequences_and_the_worker_stays():
     for name, fake in eng.fakes.items():
         assert fake.num_free_blocks == fake.num_blocks, name
         assert eng.sched.slots[name].account.num_free == eng.sched.slots[name].account.num_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_draining_worker_gets_no_new_sequences_and_finishes_its_own(overlap):
+    """``EngineCore.drain_worker``: sequences running on the draining worker finish there; every
+    sequence admitted after the notice (new ones, and recomputes) goes to the other worker."""
+    reqs = workload(16, seed=31, prompt_range=(10, 60), new_range=(10, 30))
+    eng = make_engine(budget=32, workers={"w0": 1000, "w1": 1000}, eos_every=37, overlap=overlap)
+    for i, (p, n) in enumerate(reqs[:8]):
+        eng.add(Sequence(i, p, greedy(n)))
+    for _ in range(3):
+        eng.step()
+    on_w1 = {s.seq_id for s in eng.sched.slots["w1"].running}
+    assert on_w1, "nothing ran on w1"
+    assert eng.core.drain_worker("w1") and not eng.core.drain_worker("w1")
+    seen_before = set(eng.fakes["w1"].seen_seq_ids)
+    for i, (p, n) in enumerate(reqs[8:], start=8):
+        eng.add(Sequence(i, p, greedy(n)))
+    eng.run()
+    assert sorted(eng.finish) == list(range(16))
+    assert eng.fakes["w1"].seen_seq_ids == seen_before  # nothing new was placed on w1
+    assert on_w1 <= eng.fakes["w1"].seen_seq_ids
+    assert set(range(8, 16)) <= eng.fakes["w0"].seen_seq_ids
+    for i, (p, n) in enumerate(reqs):
+        assert eng.outputs[i] == solo_output(p, greedy(n), eos_every=37), i
+    check_free(eng)
+    assert eng.core.remove_worker("w1") == []  # drained: nothing left to hand back

@@ -159,6 +159,7 @@ def test_simulated_worker_process_registers_serves_and_exports_metrics():
         t0 = time.monotonic()
         cmd = [sys.executable, "-m", "fuseserve.cli", "worker", "--redis-url", rs.url, "--port", "0"]
         cmd += ["--metrics-port", "0", "--worker-id", "sim-0", "--simulate", "a100-llama2-7b"]
+        cmd += ["--drain-timeout", "0"]  # it keeps sequences no scheduler frees: SIGTERM stops at once
         proc = subprocess.Popen(cmd + ["--simulate-slowdown", "2"])
         try:
             r = redis.Redis.from_url(rs.url)
@@ -183,8 +184,11 @@ def test_simulated_worker_process_registers_serves_and_exports_metrics():
                 handle.step(StepPlan(4, [chunk(1, 7, [1], True)]))
             handle.close()
             text = httpx.get(f"http://127.0.0.1:{rec.metrics_port}/metrics").text
-            assert "fuseserve_step_seconds_count 1.0" in text
-            assert "fuseserve_sampled_tokens_total 2.0" in text
+            labels = 'model_name="smollm2-135m-instruct",worker="sim-0"'
+            pass_labels = 'model_name="smollm2-135m-instruct",pass_size="65-256",worker="sim-0"'
+            assert f"fuseserve_forward_time_seconds_count{{{pass_labels}}} 1.0" in text
+            assert f"fuseserve_sampled_tokens_total{{{labels}}} 2.0" in text
+            assert f"fuseserve_kv_cache_blocks_total{{{labels}}} {float(rec.num_blocks)}" in text
         finally:
             proc.terminate()
             proc.wait(timeout=10)

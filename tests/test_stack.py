@@ -4,6 +4,9 @@ Started by the same code as ``fuseserve serve`` (``fuseserve.launcher.start_stac
 official ``openai`` client and raw HTTP.
 """
 
+# Test parameters take the names of the fixtures imported from stack_harness (pyflakes: redefinitions).
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,7 +17,7 @@ import grpc
 import httpx
 import pytest
 import redis
-from stack_harness import MODEL, local_stack, openai_client
+from stack_harness import MODEL, openai_client, pipe, stack  # noqa: F401 (fixtures)
 
 from fuseserve import messages
 
@@ -22,25 +25,8 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_source):
-    with local_stack(token_budget=64, kv_cache_memory="128MiB", dtype="float32") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def client(stack):
     return openai_client(stack[1])
-
-
-@pytest.fixture(scope="module")
-def pipe(smollm2_source):
-    import fuseserve
-
-    p = fuseserve.pipeline(
-        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", dtype="float32", progress=False
-    )
-    yield p
-    p.close()
 
 
 def redis_client(stack) -> redis.Redis:

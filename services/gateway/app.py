@@ -3,9 +3,12 @@
     app = create_app(GatewaySettings(redis_url="redis://localhost:6379", model="smollm2-135m-instruct"))
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
-``"stream": true``), ``GET /v1/models``, ``GET /health`` (503 without a live scheduler or worker, or without Redis),
-``GET /metrics`` (Prometheus). A request is validated, tokenized and checked against the context
-and the scheduler's queue *before* anything is sent; then each sequence gets a ``seq_id`` (INCR),
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``,
+``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 without a live scheduler or worker, or without Redis),
+``GET /metrics`` (Prometheus). With API keys configured every path but ``/health`` (and ``/metrics``
+unless protected) needs one (``auth.py``); ``limits.py`` bounds what one request may cost. A
+request is validated, tokenized and checked against the context and the scheduler's queue *before*
+anything is sent; then each sequence gets a ``seq_id`` (INCR),
 is XADDed to ``REQUESTS``, and its token events come back on this gateway's response stream.
 
 Redis connections come from a blocking pool: under a burst a request waits up to
@@ -21,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -31,10 +34,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.requests import ClientDisconnect
 
-from fuseserve.detokenizer import DetokenizeStream
+from fuseserve.config import RequestLimits
 from fuseserve.errors import FuseServeError, InvalidRequestError
+from fuseserve.frontend.model_info import build_encoder, generation_defaults, load_tokenizer
+from fuseserve.frontend.openai_params import check_n, sampling_params
+from fuseserve.gateway import utilities
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.constraints import rendered_tools, tool_parser_factory
+from fuseserve.gateway.auth import ApiKeys
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
     RequestTooLargeError,
@@ -43,9 +50,15 @@ from fuseserve.gateway.errors import (
     validation_error,
 )
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
-from fuseserve.gateway.metrics import GatewayMetrics
-from fuseserve.gateway.prompts import PromptEncoder
-from fuseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from fuseserve.gateway.limits import Limiter, install_guards
+from fuseserve.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from fuseserve.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    field_policy,
+)
 from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import SCHEDULER_GRACE_S
@@ -54,7 +67,8 @@ from fuseserve.model_source import ModelSource, resolve_model
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_MAX_BODY_BYTES = 4 << 20
+IGNORED_FIELDS_HEADER = "x-fuseserve-ignored-fields"
+"""Response header naming the unknown request fields that were ignored (comma-separated)."""
 
 
 @dataclass
@@ -62,10 +76,14 @@ class GatewaySettings:
     """What a gateway needs.
 
     redis_url: the Redis of the stack. model: alias, directory or .gguf (only its tokenizer and
-    config are loaded). served_model_name: the name clients send as ``model`` (default: the
-    model's name). max_queue: answer 429 while the scheduler has this many sequences waiting.
-    max_body_bytes: larger request bodies get 413. max_model_len: context length in tokens
-    (default: ``config.max_position_embeddings``). admission_cache_s: seconds the worker / queue
+    config are loaded). served_model_name: the name(s) clients send as ``model`` (default: the
+    model's name; the first one is listed first). max_queue: answer 429 while the scheduler has this
+    many sequences waiting. limits: what one request may cost (``fuseserve.config.RequestLimits``;
+    ``gateway/limits.py``). api_keys: accepted keys (None: no key needed; ``gateway/auth.py``).
+    protect_metrics: ``/metrics`` needs a key too. max_model_len: context length in tokens
+    (default: ``config.max_position_embeddings``; at most that). chat_template: a Jinja file replacing
+    the model's template. tokenizer: a tokenizer directory replacing the model's (without either,
+    only token-id prompts are served). admission_cache_s: seconds the worker / queue
     snapshot is reused. disconnect_poll_s: seconds between client-disconnect checks while waiting.
     redis_max_connections: pooled Redis connections shared by requests. redis_pool_timeout_s:
     seconds a request waits for a free one before its 503. scheduler_grace_s: seconds without a
@@ -75,10 +93,14 @@ class GatewaySettings:
 
     redis_url: str
     model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     max_queue: int = 1024
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    api_keys: ApiKeys | None = None
+    protect_metrics: bool = False
     max_model_len: int | None = None
+    chat_template: str | None = None
+    tokenizer: str | None = None
     cache_dir: str | None = None
     admission_cache_s: float = 0.25
     disconnect_poll_s: float = 0.25
@@ -95,16 +117,23 @@ class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
         self.source = settings.source or resolve_model(settings.model, cache_dir=settings.cache_dir)
-        self.model_name = settings.served_model_name or self.source.name
-        self.tokenizer = self.source.load_tokenizer()
+        names = settings.served_model_name or self.source.name
+        self.model_names = [names] if isinstance(names, str) else list(names)
+        self.model_name = self.model_names[0]
+        self.tokenizer = load_tokenizer(self.source, settings.tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
-        config = self.source.config
-        self.max_model_len = settings.max_model_len or int(config.max_position_embeddings)
-        vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
-        self.vocab_size = vocab_size
-        self.encoder = PromptEncoder(self.tokenizer, vocab_size, self.max_model_len)
+        self.encoder = build_encoder(
+            self.source,
+            self.tokenizer,
+            max_model_len=settings.max_model_len,
+            chat_template=settings.chat_template,
+        )
+        self.max_model_len = self.encoder.max_model_len
+        self.vocab_size = self.encoder.vocab_size
+        self.defaults = generation_defaults(self.source.path)
+        self.limiter = Limiter(settings.limits)
         self.gateway_id = uuid.uuid4().hex
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.model_name)
         self.redis: aioredis.Redis | None = None
         self.reader: aioredis.Redis | None = None  # the router's own client
         self.router: ResponseRouter | None = None
@@ -146,10 +175,10 @@ class Gateway:
 
     # ------------------------------------------------------------------ request handling
     async def read_json(self, request: Request) -> dict:
-        """The body as a JSON object; 413 past ``max_body_bytes`` (checked before parsing), else 400
-        (not JSON, nested too deeply, not an object). Raises ``ClientDisconnect`` when the client
+        """The body as a JSON object; 413 past ``limits.max_body_bytes`` (checked before parsing), else
+        400 (not JSON, nested too deeply, not an object). Raises ``ClientDisconnect`` when the client
         goes away while sending it."""
-        limit = self.settings.max_body_bytes
+        limit = self.settings.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
             try:
@@ -175,34 +204,63 @@ class Gateway:
         return data
 
     def parse(self, model: type, data: dict):
+        """The validated body and the unknown fields it ignores (see ``protocol.field_policy``)."""
+        self.limiter.check_body(data)
         try:
             req = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
-        if req.model != self.model_name:
-            raise ModelNotFoundError(req.model, self.model_name)
+        ignored = field_policy(req)
+        self.check_model(req.model)
+        return req, ignored
+
+    def check_model(self, name: str | None) -> None:
+        """Raise ``ModelNotFoundError`` (404) unless ``name`` is None or one of the served names."""
+        if name is not None and name not in self.model_names:
+            raise ModelNotFoundError(name, ", ".join(self.model_names))
+
+    def parse_plain(self, model: type, data: dict):
+        """A validated utility body (``/tokenize``, ``/detokenize``) whose ``model`` is served."""
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        self.check_model(req.model)
         return req
 
     async def sequences(
         self, req: CompletionRequest | ChatCompletionRequest, chat: bool
     ) -> list[SequenceState]:
         """Tokenize, validate and give each of ``n`` sequences per prompt its seq_id (nothing sent yet)."""
-        self.encoder.check_n(req.n)
-        prompts = (
-            [self.encoder.chat_prompt(req.messages, rendered_tools(req))]
-            if chat
-            else self.encoder.completion_prompts(req.prompt)
-        )
+        check_n(req.n)
+        echo = not chat and req.echo
+        if echo and req.stream:
+            raise InvalidRequestError("echo is not supported with stream", param="echo")
+        if chat:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            prompts = [self.encoder.chat(messages, rendered_tools(req))]
+        else:
+            prompts = self.encoder.encode_batch(req.prompt)
+        lens = [len(ids) for ids in prompts]
+        self.limiter.check_prompts(lens, "messages" if chat else "prompt")
+        self.limiter.default_max_tokens(req, self.max_model_len - max(lens))
         plans = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
-                plans.append((p, ids, self.encoder.sampling_params(req, len(ids), j)))
+                plans.append((p, ids, sampling_params(req, self.encoder, len(ids), j, chat, self.defaults)))
         await self.admission.check()
         seq_ids = await self.router.next_seq_ids(len(plans))
-        seqs = []
-        for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True)):
-            detok = DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
-            seqs.append(SequenceState(choice, seq_id, p, ids, params, detok))
+        new_parser = tool_parser_factory(req) if chat else None  # tool calls, per choice
+        seqs = [
+            SequenceState(choice, seq_id, p, ids, params, self.tokenizer, new_parser and new_parser())
+            for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True))
+        ]
+        if echo:
+            texts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else None
+            texts = [req.prompt] if isinstance(req.prompt, str) else texts
+            for s in seqs:
+                s.echo = texts[s.prompt_index] if texts else self.tokenizer.decode(s.prompt_ids)
+                s.echo_only = req.max_tokens == 0
         return seqs
 
     async def generate(self, request: Request, chat: bool):
@@ -210,10 +268,10 @@ class Gateway:
         try:
             data = await self.read_json(request)
         except ClientDisconnect:  # gone while uploading: nothing to answer, nothing to log loudly
-            self.metrics.count_abort()
             log.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
             return Response(status_code=499)
-        req = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        req, ignored = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         seqs = await self.sequences(req, chat)
         gen = Generation(
             self.router,
@@ -224,35 +282,26 @@ class Gateway:
             poll_s=self.settings.disconnect_poll_s,
         )
         gen.arrival = arrival
-        renderer = Renderer(
-            self.tokenizer,
-            self.model_name,
-            chat,
-            req.return_token_ids,
-            tool_parser_factory(req) if chat else None,
-        )
+        renderer = Renderer(self.tokenizer, req.model, chat, req.return_token_ids)
         await gen.submit()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 self._stream(gen, renderer, include_usage),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
             )
         try:
             await gen.run()
         except ClientDisconnected:
-            self.metrics.count_abort()
             return Response(status_code=499)
         except BaseException:
             gen.abort()  # cancelled (server shutdown) or failed: free the sequences
             raise
-        self.metrics.count_status(200)
-        self.metrics.latency.observe(time.monotonic() - arrival)
-        return JSONResponse(renderer.response(seqs))
+        self.metrics.e2e.observe(time.monotonic() - arrival)
+        return JSONResponse(renderer.response(seqs), headers=headers)
 
     async def _stream(self, gen: Generation, renderer: Renderer, include_usage: bool):
-        status = "abort"
         try:
             first = renderer.role_chunk(gen.seqs, include_usage)
             if first is not None:
@@ -263,42 +312,29 @@ class Gateway:
                     yield sse(chunk)
             if gen.error is not None:
                 exc = scheduler_error(gen.error)
-                status = "error" if exc.http_status >= 500 else "client_error"
                 body = error_for(exc)
                 body["error"]["status"] = exc.http_status
                 yield sse(body)
             else:
                 if include_usage:
                     yield sse(renderer.usage_chunk(gen.seqs))
-                status = "ok"
+                self.metrics.e2e.observe(time.monotonic() - gen.arrival)
             yield sse("[DONE]")
         except ClientDisconnected:
             pass
         finally:
             if not gen.finished:
                 gen.abort()
-                status = "abort"
-            if status == "abort":
-                self.metrics.count_abort()
-            else:
-                self.metrics.requests.labels(status=status).inc()
-                if status == "ok":
-                    self.metrics.latency.observe(time.monotonic() - gen.arrival)
 
     async def health(self) -> JSONResponse:
         """200 ``{"status": "ok", "workers": n}``; 503 with status "no_scheduler" or "no_worker";
         503 OpenAI error JSON when Redis cannot be reached (the app's handler)."""
         snap = await self.admission.snapshot(fresh=True)
-        self._set_queue_depth(snap.waiting)
         if not snap.scheduler_alive:
             return JSONResponse({"status": "no_scheduler", "workers": snap.num_workers}, status_code=503)
         if snap.num_workers == 0:
             return JSONResponse({"status": "no_worker", "workers": 0}, status_code=503)
         return JSONResponse({"status": "ok", "workers": snap.num_workers})
-
-    def _set_queue_depth(self, waiting: int | None) -> None:
-        if waiting is not None:
-            self.metrics.queue_depth.set(waiting)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -318,7 +354,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="fuseserve gateway", lifespan=lifespan)
     app.state.gateway = gw
-    install_handlers(app, gw.metrics.count_status)
+    install_handlers(app)
+    install_guards(app, settings.limits, settings.api_keys, settings.protect_metrics)
+    app.add_middleware(MetricsMiddleware, metrics=gw.metrics)  # added last: outermost, sees every status
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -330,14 +368,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": gw.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "fuseserve",
-            "max_model_len": gw.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [utilities.model_card(gw, name) for name in gw.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        gw.check_model(model_id)
+        return utilities.model_card(gw, model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return utilities.tokenize(gw, gw.parse_plain(TokenizeRequest, await gw.read_json(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return utilities.detokenize(gw, gw.parse_plain(DetokenizeRequest, await gw.read_json(request)))
 
     @app.get("/health")
     async def health():
@@ -345,8 +389,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        with contextlib.suppress(Exception):  # metrics must answer even when Redis does not
-            gw._set_queue_depth((await gw.admission.snapshot()).waiting)
         return Response(gw.metrics.exposition(), media_type=gw.metrics.content_type)
 
     return app
@@ -359,9 +401,21 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         model=getattr(args, "model", None) or DEFAULT_MODEL,
         served_model_name=getattr(args, "served_model_name", None),
         max_queue=int(getattr(args, "max_queue", None) or 1024),
-        max_body_bytes=int(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES),
         max_model_len=getattr(args, "max_model_len", None),
+        chat_template=getattr(args, "chat_template", None),
+        tokenizer=getattr(args, "tokenizer", None),
         cache_dir=getattr(args, "cache_dir", None),
+        limits=RequestLimits(
+            **{
+                f.name: getattr(args, f.name)
+                for f in fields(RequestLimits)
+                if getattr(args, f.name, None) is not None
+            }
+        ),
+        api_keys=ApiKeys.load(
+            [getattr(args, "api_key", None) or ""], key_file=getattr(args, "api_key_file", None)
+        ),
+        protect_metrics=bool(getattr(args, "protect_metrics", False)),
     )
 
 
@@ -369,8 +423,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     """``fuseserve gateway``: serve the app with uvicorn until interrupted; returns the exit code.
 
     Reads ``args.redis_url``, ``model``, ``host`` (default 127.0.0.1), ``port`` (8000), ``max_queue``,
-    ``max_body_bytes``, ``log_level`` (info), and optionally ``served_model_name``,
-    ``max_model_len``, ``cache_dir``.
+    ``log_level`` (info), and optionally ``served_model_name`` (one or more), ``max_model_len``,
+    ``chat_template``, ``tokenizer``, ``cache_dir``, ``api_key``, ``api_key_file``,
+    ``protect_metrics`` and the ``RequestLimits`` fields.
     """
     import uvicorn
 

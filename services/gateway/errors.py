@@ -33,13 +33,13 @@ class ModelNotFoundError(InvalidRequestError):
 
 
 class RequestTooLargeError(InvalidRequestError):
-    """The request body is larger than the gateway accepts (``max_body_bytes``)."""
+    """The request body is larger than the gateway accepts (``RequestLimits.max_body_bytes``)."""
 
     http_status = 413
 
     def __init__(self, size: int | None, limit: int):
         got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
-        super().__init__(f"request body too large: {got}; the limit is {limit} bytes")
+        super().__init__(f"request body too large: {got}; the limit --max-body-bytes is {limit} bytes")
 
 
 class SchedulerRejectedError(FuseServeError):
@@ -120,8 +120,9 @@ def validation_error(exc: ValidationError | RequestValidationError) -> InvalidRe
     return InvalidRequestError(f"invalid value for '{where}': {first.get('msg')}", param=param)
 
 
-def install_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
-    """Register the exception handlers; ``on_error(status)`` is called for every error answered."""
+def install_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda _status: None) -> None:
+    """Register the exception handlers; ``on_error(status)`` is called for every error answered
+    (the gateway's statuses are counted by ``metrics.MetricsMiddleware`` instead)."""
 
     @app.exception_handler(FuseServeError)
     async def _typed(request: Request, exc: FuseServeError) -> JSONResponse:

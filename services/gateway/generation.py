@@ -1,10 +1,8 @@
 """One HTTP request's sequences in flight: submit them, consume their token events, abort them.
 
-``SequenceState.apply`` mirrors ``Pipeline._apply`` (``fuseserve/engine.py``): every token counts
-in usage; hidden tokens (EOS / stop token ids) add no text; text goes through a
-``DetokenizeStream``, and when a stop string matches the sequence finishes with "stop" and the
-scheduler is told to free it at once (abort ControlMessage, reason "stop"). ``index`` drops
-duplicate events (a restarted scheduler may resend).
+Each sequence's output is the front end's ``OutputState`` (``fuseserve/frontend/output.py``), the
+same the pipeline uses; this module is only the Redis I/O around it. When a stop string matches, the
+scheduler is told to free the sequence at once (abort ControlMessage, reason "stop").
 """
 
 from __future__ import annotations
@@ -12,101 +10,58 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
-from fuseserve.detokenizer import DetokenizeStream
+from fuseserve.frontend.output import Delta, OutputState
 from fuseserve.gateway.errors import SchedulerRejectedError
 from fuseserve.gateway.metrics import GatewayMetrics
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import RequestMessage, TokenMessage
-from fuseserve.sampling_params import SamplingParams
 
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the request finished."""
 
 
-@dataclass
-class TokenLogprobs:
-    """A visible generated token with its logprob and top alternatives ``[[token_id, logprob], ...]``."""
-
-    token_id: int
-    logprob: float | None
-    top: list[list]
-
-
-@dataclass
-class Delta:
-    """What one batch of events added to a sequence: text and the logprobs of its visible tokens."""
-
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-
-
-@dataclass
-class SequenceState:
-    """One generated sequence: choice ``choice`` of the response, ``seq_id`` in the engine.
+class SequenceState(OutputState):
+    """One generated sequence of a request: choice ``choice`` of the response, ``seq_id`` in the engine.
 
     prompt_index: which prompt of the request it continues (``n`` sequences share one).
-    token_ids: every generated id (hidden ones included). visible: logprobs of the visible tokens.
-    raw_logprobs / raw_top: per generated token (hidden included), when logprobs were asked for.
-    next_index: index of the next expected token event (lower ones are duplicates).
+    last_token_at: monotonic seconds of its last token (inter-token latency metric).
+    echo / echo_only: see ``render.py`` (completions' ``echo``).
+    text_parser: see ``OutputState`` (chat with tools: a ``fuseserve.tools.ToolCallParser``).
     """
 
-    choice: int
-    seq_id: int
-    prompt_index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    detok: DetokenizeStream
-    token_ids: list[int] = field(default_factory=list)
-    visible: list[TokenLogprobs] = field(default_factory=list)
-    raw_logprobs: list[float] = field(default_factory=list)
-    raw_top: list[list[list]] = field(default_factory=list)
-    next_index: int = 0
-    finish_reason: str | None = None
-    error: dict | None = None
-    last_token_at: float | None = None
+    def __init__(
+        self,
+        choice: int,
+        seq_id: int,
+        prompt_index: int,
+        prompt_ids: list[int],
+        params,
+        tokenizer,
+        text_parser=None,
+    ):
+        super().__init__(prompt_ids, params, tokenizer, text_parser)
+        self.choice = choice
+        self.seq_id = seq_id
+        self.prompt_index = prompt_index
+        self.last_token_at: float | None = None
+        self.echo: str | None = None  # completions' echo: the prompt's text, shown before the output
+        self.echo_only = False  # echo with max_tokens 0: the prompt only (its one generated token hidden)
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def apply(self, ev: TokenMessage, delta: Delta) -> bool:
-        """Add one event to ``delta``; True when it carried a new token (False: duplicate or none)."""
-        if self.finished:
-            return False
-        new_token = False
-        if ev.token_id is not None:
-            if 0 <= ev.index < self.next_index:
-                return False  # a duplicate: applied the first time it came
-            if ev.index >= 0:
-                self.next_index = ev.index + 1
-            new_token = True
-            self.token_ids.append(ev.token_id)
-            if ev.logprob is not None:
-                self.raw_logprobs.append(ev.logprob)
-                self.raw_top.append(ev.top_logprobs)
-            if not ev.hidden:
-                delta.text += self.detok.push([ev.token_id])
-                if self.params.logprobs is not None:
-                    entry = TokenLogprobs(ev.token_id, ev.logprob, ev.top_logprobs)
-                    self.visible.append(entry)
-                    delta.logprobs.append(entry)
-            if self.detok.stopped:
-                self.finish_reason = "stop"
-                delta.finished = True
-                return new_token
-        if ev.error is not None:
-            self.error = ev.error
-            self.finish_reason = "error"
-            delta.finished = True
-        elif ev.finish_reason is not None:
-            self.finish_reason = ev.finish_reason
-            delta.text += self.detok.finish()
-            delta.finished = True
-        return new_token
+    def apply_message(self, ev: TokenMessage, delta: Delta) -> bool:
+        """Add one event of the response stream to ``delta`` (see ``OutputState.apply``)."""
+        return self.apply(
+            delta,
+            ev.token_id,
+            ev.logprob,
+            ev.top_logprobs,
+            ev.hidden,
+            ev.finish_reason,
+            ev.index,
+            ev.error,
+            ev.prompt_logprobs,
+        )
 
 
 class Generation:
@@ -153,20 +108,22 @@ class Generation:
             )
             for s in self.seqs
         ]
-        for s in self.seqs:
-            self.metrics.prompt_tokens.inc(len(s.prompt_ids))
         try:
             await self.router.submit(msgs)
         except BaseException:
             for s in self.seqs:
                 self.router.unregister(s.seq_id)
             raise
+        self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in self.seqs))
 
     def abort(self, reason: str = "abort") -> None:
-        """Abort every unfinished sequence (the scheduler frees them); idempotent."""
+        """Abort every unfinished sequence (the scheduler frees them); idempotent. Each counts as
+        finished with "abort", or "error" when another sequence of the request failed."""
         live = [s for s in self.seqs if not s.finished]
+        outcome = "abort" if self.error is None else "error"
         for s in live:
             s.finish_reason = "abort"
+            self.metrics.count_finished(outcome)
         self.router.abort([s.seq_id for s in live], reason)
 
     async def batches(self) -> AsyncIterator[dict[int, Delta]]:
@@ -212,16 +169,17 @@ class Generation:
             if seq is None or seq.finished:
                 continue
             delta = deltas.setdefault(seq.choice, Delta())
-            if seq.apply(ev, delta):
-                self.metrics.generated_tokens.inc()
+            if seq.apply_message(ev, delta):
+                self.metrics.generation_tokens.inc()
                 if self.first_token_at is None:
                     self.first_token_at = now
                     self.metrics.ttft.observe(now - self.arrival)
                 if seq.last_token_at is not None:
                     self.metrics.itl.observe(now - seq.last_token_at)
                 seq.last_token_at = now
-            if seq.finished:
-                if seq.finish_reason == "stop" and seq.detok.stopped:
+            if seq.finished:  # just now: finished sequences were skipped above
+                self.metrics.count_finished(seq.finish_reason)
+                if seq.finish_reason == "stop" and seq.stop_matched:
                     self.router.abort([seq.seq_id], "stop")
                 else:
                     self.router.unregister(seq.seq_id)

@@ -1,25 +1,55 @@
-"""Request bodies of the OpenAI-compatible API, as strict pydantic models.
+"""Request bodies of the OpenAI-compatible API, as strict pydantic models, and the field policy.
 
-Every model forbids unknown fields (a typo or an unsupported OpenAI option is a 400 naming the
-field, never silently ignored) and validates in strict mode (``"5"`` is not an integer; ``true`` is
-not a number). Fields beyond OpenAI's (vLLM conventions): ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-``include_stop_str_in_output``, ``structured_outputs`` / ``guided_*`` (structured output, see
-``constraints.py``), and the fuseserve extension ``return_token_ids`` (each choice then
-carries ``token_ids`` and, with logprobs, ``top_logprob_ids``; see ``render.py``).
+Values validate in strict mode (``"5"`` is not an integer; ``true`` is not a number). The sampling
+fields are not written here: they come from ``SamplingParams``' own table
+(``fuseserve.frontend.params.openai_model_fields``), so a new sampling parameter appears in both
+bodies by itself. Fields beyond OpenAI's follow vLLM (``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``include_stop_str_in_output``,
+``structured_outputs`` / ``guided_*`` for structured output, see ``constraints.py``), plus the
+fuseserve extension ``return_token_ids`` (each choice then carries ``token_ids`` and, with logprobs,
+``top_logprob_ids``; see ``render.py``).
+
+Request fields, vLLM's policy (:func:`field_policy`):
+
+- fields that change nothing in the output are accepted and ignored: ``user``, ``metadata``,
+  ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+  ``stream_options.include_obfuscation``;
+- a known field that would change the output and is not implemented (``UNIMPLEMENTED``) is a 400
+  naming it;
+- any other unknown top-level field is accepted, logged once per name at warning level, and named in
+  the ``x-fuseserve-ignored-fields`` response header.
 
 Response bodies are plain dicts built in ``render.py``; their shapes follow the OpenAI API.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from fuseserve.errors import InvalidRequestError
+from fuseserve.frontend.params import openai_model_fields
 from fuseserve.gateway.constraints import ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice
 
+log = logging.getLogger(__name__)
+
 TokenIds = list[int]
+
+UNIMPLEMENTED: dict[str, str] = {
+    "best_of": "best_of is not supported; use n",
+    "suffix": "suffix (insertion) is not supported",
+    "functions": "function calls are not supported",
+    "function_call": "function calls are not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning effort is not supported",
+    "web_search_options": "web search is not supported",
+}
+"""Known OpenAI / vLLM fields that would change the output and are not implemented: 400 when set."""
+
+_warned: set[str] = set()
 
 
 class _Strict(BaseModel):
@@ -31,28 +61,25 @@ class StreamOptions(_Strict):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None  # no-op: fuseserve pads nothing
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by both endpoints; names follow the OpenAI API (lengths in tokens)."""
+class _Body(BaseModel):
+    """Top-level bodies accept unknown fields (collected in ``model_extra``; see :func:`field_policy`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+_SamplingFields = create_model(  # the sampling fields, from SamplingParams' own table
+    "_SamplingFields", __base__=_Body, __module__=__name__, **openai_model_fields()
+)
+
+
+class _RequestFields(_SamplingFields):
+    """Fields shared by both endpoints besides the sampling ones; lengths in tokens."""
 
     model: str
-    max_tokens: int | None = None  # None: whatever fits the context (max_model_len - prompt_len)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
     n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # fuseserve extension: token ids per choice
@@ -64,14 +91,21 @@ class _SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # accepted, change nothing in the output
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_RequestFields):
     """``POST /v1/completions``. ``logprobs``: top-N alternatives per token, 0..20 (0: chosen token only)."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
     logprobs: int | None = None
-    echo: bool = False  # only false is supported (400 otherwise)
+    echo: bool = False
 
 
 class TextPart(_Strict):
@@ -90,15 +124,8 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
-
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_RequestFields):
     """``POST /v1/chat/completions``. ``logprobs`` (bool) with ``top_logprobs`` 0..20 alternatives."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -108,3 +135,37 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(default=None, min_length=1)  # OpenAI rejects []
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): ``prompt`` (text) or ``messages`` (chat, through the
+    template with the generation prompt). ``add_special_tokens`` applies to ``prompt`` only."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``: ``tokens`` (token ids) back to text."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+def field_policy(req: BaseModel) -> list[str]:
+    """Apply the request-field policy to a parsed body; returns the ignored unknown field names.
+
+    Raises ``InvalidRequestError`` (param: the field) for a set field in ``UNIMPLEMENTED``.
+    """
+    extra: dict[str, Any] = req.model_extra or {}
+    for name, value in extra.items():
+        if name in UNIMPLEMENTED and value is not None:
+            raise InvalidRequestError(f"'{name}': {UNIMPLEMENTED[name]}", param=name)
+    ignored = sorted(n for n in extra if n not in UNIMPLEMENTED)
+    for name in ignored:
+        if name not in _warned:
+            _warned.add(name)
+            log.warning("ignoring unknown request field '%s' (named in x-fuseserve-ignored-fields)", name)
+    return ignored

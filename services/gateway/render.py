@@ -4,13 +4,18 @@ Completions logprobs: ``{"tokens", "token_logprobs", "top_logprobs": [{token: lo
 Chat logprobs: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}]}]}``. Logprobs cover the visible tokens (a hidden EOS / stop token is counted in usage only).
 
+Completions' ``echo``: the text starts with the prompt and, with ``logprobs``, the logprobs start
+with the prompt's tokens (the first one's logprob is null: nothing precedes it). With
+``max_tokens`` 0 only the prompt is returned (finish "length", no completion tokens): scoring, as
+lm-eval's loglikelihood requests use it.
+
+Chat requests with tools: each choice's ``OutputState.text_parser`` is a
+``fuseserve.tools.ToolCallParser``; parsed calls become ``message.tool_calls`` (streamed:
+``delta.tool_calls`` pieces) and ``finish_reason`` ``"tool_calls"``.
+
 A streamed error (the scheduler rejected a sequence after the 200 was sent) is one event
 ``data: {"error": {"message", "type", "param", "code", "status"}}`` (``status``: the HTTP status
 the request would have had), then ``data: [DONE]``.
-
-Chat requests with tools: the assistant text goes through ``fuseserve.tools.ToolCallParser``;
-parsed calls become ``message.tool_calls`` (streamed: ``delta.tool_calls`` pieces) and
-``finish_reason`` ``"tool_calls"``.
 
 Extension (request ``"return_token_ids": true``): each choice of a non-streamed response also has
 ``token_ids`` (every generated id, a hidden EOS / stop token included, as ``Response.token_ids``),
@@ -24,7 +29,8 @@ import json
 import time
 import uuid
 
-from fuseserve.gateway.generation import Delta, SequenceState, TokenLogprobs
+from fuseserve.frontend.output import Delta, TokenLogprobs
+from fuseserve.gateway.generation import SequenceState
 
 
 def sse(payload: dict | str) -> bytes:
@@ -36,26 +42,33 @@ def sse(payload: dict | str) -> bytes:
 class Renderer:
     """Builds the bodies of one request. ``chat``: chat shapes, else completions shapes."""
 
-    def __init__(self, tokenizer, model: str, chat: bool, return_token_ids: bool = False, tool_parser=None):
+    def __init__(self, tokenizer, model: str, chat: bool, return_token_ids: bool = False):
         self.tokenizer = tokenizer
         self.model = model
         self.chat = chat
         self.return_token_ids = return_token_ids
-        self._new_tool_parser = tool_parser  # () -> ToolCallParser when the request has tools
-        self._tool_parsers: dict = {}  # choice -> its ToolCallParser (streaming)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # choice -> characters of text emitted (text_offset)
 
     # ------------------------------------------------------------------ pieces
     def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:  # served without a tokenizer: vLLM's token-id form
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    @staticmethod
+    def _prompt_entries(s: SequenceState) -> list[TokenLogprobs]:
+        """The prompt's tokens as logprob entries (the first has none: nothing precedes it)."""
+        got = s.prompt_logprobs or [None] * len(s.prompt_ids)
+        return [e or TokenLogprobs(t, None, []) for t, e in zip(s.prompt_ids, got, strict=True)]
+
     def usage(self, seqs: list[SequenceState]) -> dict:
-        """Prompt tokens count once per prompt (not per ``n``); every generated token counts."""
+        """Prompt tokens count once per prompt (not per ``n``); every generated token counts (none
+        for an echo with ``max_tokens`` 0)."""
         prompts = {s.prompt_index: len(s.prompt_ids) for s in seqs}
         prompt_tokens = sum(prompts.values())
-        completion_tokens = sum(len(s.token_ids) for s in seqs)
+        completion_tokens = sum(0 if s.echo_only else len(s.token_ids) for s in seqs)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -76,16 +89,16 @@ class Renderer:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token(t): lp for t, lp in e.top} or None for e in entries],
+            "top_logprobs": [{self._token(t.token_id): t.logprob for t in e.top} or None for e in entries],
             "text_offset": offsets,
         }
 
     def _chat_logprob(self, e: TokenLogprobs) -> dict:
         tok = self._token(e.token_id)
         top = []
-        for tid, lp in e.top:
-            alt = self._token(tid)
-            top.append({"token": alt, "logprob": lp, "bytes": list(alt.encode())})
+        for t in e.top:
+            alt = self._token(t.token_id)
+            top.append({"token": alt, "logprob": t.logprob, "bytes": list(alt.encode())})
         return {"token": tok, "logprob": e.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
 
     # ------------------------------------------------------------------ whole response
@@ -93,23 +106,25 @@ class Renderer:
         """The non-streamed body."""
         choices = []
         for s in seqs:
-            lp = self.logprobs(s.choice, s.visible) if s.params.logprobs is not None else None
+            entries = s.visible
+            if s.echo is not None:  # completions' echo: the prompt (and its logprobs) first
+                entries = self._prompt_entries(s) + ([] if s.echo_only else s.visible)
+            lp = self.logprobs(s.choice, entries) if s.params.logprobs is not None else None
             if self.chat:
-                message, reason = self._message(s)
-                choice = {"index": s.choice, "message": message, "logprobs": lp, "finish_reason": reason}
+                choice = {"index": s.choice, "message": self._message(s), "logprobs": lp}
+                choice["finish_reason"] = self._finish_reason(s)
             else:
-                choice = {
-                    "index": s.choice,
-                    "text": s.detok.text,
-                    "logprobs": lp,
-                    "finish_reason": s.finish_reason,
-                }
+                text = s.text if s.echo is None else s.echo + ("" if s.echo_only else s.text)
+                reason = "length" if s.echo_only else s.finish_reason
+                choice = {"index": s.choice, "text": text, "logprobs": lp, "finish_reason": reason}
             if self.return_token_ids:
                 choice["token_ids"] = s.token_ids
                 choice["prompt_tokens"] = len(s.prompt_ids)
                 if s.params.logprobs is not None:
-                    choice["token_logprobs"] = s.raw_logprobs
-                    choice["top_logprob_ids"] = s.raw_top
+                    choice["token_logprobs"] = s.logprobs
+                    choice["top_logprob_ids"] = [
+                        [[t.token_id, t.logprob] for t in top] for top in s.top_logprobs
+                    ]
             choices.append(choice)
         return {
             "id": self.id,
@@ -120,44 +135,23 @@ class Renderer:
             "usage": self.usage(seqs),
         }
 
-    def _message(self, s: SequenceState) -> tuple[dict, str | None]:
-        """The assistant message of a finished chat choice, with ``tool_calls`` parsed out when the
-        request has tools; ``finish_reason`` becomes ``tool_calls`` when a call ended the output."""
-        if self._new_tool_parser is None:
-            return {"role": "assistant", "content": s.detok.text}, s.finish_reason
-        parser = self._new_tool_parser()
-        content = parser.feed(s.detok.text).content + parser.finish().content
-        message: dict = {"role": "assistant", "content": content or None}
+    @staticmethod
+    def _message(s: SequenceState) -> dict:
+        """The assistant message of a finished chat choice, with the parsed ``tool_calls`` when the
+        request has tools (``s.text`` is then the content around the calls)."""
+        parser = s.text_parser
+        if parser is None:
+            return {"role": "assistant", "content": s.text}
+        message: dict = {"role": "assistant", "content": s.text or None}
         if parser.calls:
             message["tool_calls"] = parser.calls
-        return message, self._finish_reason(s, parser)
+        return message
 
     @staticmethod
-    def _finish_reason(s: SequenceState, parser) -> str | None:
-        return "tool_calls" if parser.calls and s.finish_reason == "stop" else s.finish_reason
-
-    def _chat_delta(
-        self, choice: int, seq: SequenceState, text: str, finished: bool
-    ) -> tuple[dict, str | None]:
-        """A streamed chat ``delta`` and finish reason; with tools, content and tool-call pieces."""
-        reason = seq.finish_reason if finished else None
-        if self._new_tool_parser is None:
-            return ({"content": text} if text or not finished else {}), reason
-        parser = self._tool_parsers.get(choice)
-        if parser is None:
-            parser = self._tool_parsers[choice] = self._new_tool_parser()
-        parsed = parser.feed(text)
-        if finished:
-            tail = parser.finish()
-            parsed.content += tail.content
-            parsed.tool_calls += tail.tool_calls
-            reason = self._finish_reason(seq, parser)
-        delta: dict = {}
-        if parsed.content:
-            delta["content"] = parsed.content
-        if parsed.tool_calls:
-            delta["tool_calls"] = [d.to_openai() for d in parsed.tool_calls]
-        return delta, reason
+    def _finish_reason(s: SequenceState) -> str | None:
+        """``tool_calls`` when a parsed call ended the output, else the sequence's own reason."""
+        calls = s.text_parser is not None and s.text_parser.calls
+        return "tool_calls" if calls and s.finish_reason == "stop" else s.finish_reason
 
     # ------------------------------------------------------------------ streaming
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
@@ -194,14 +188,14 @@ class Renderer:
         choices = []
         for choice, d in sorted(deltas.items()):
             seq = seqs[choice]
-            if not d.text and not d.finished and not d.logprobs:
+            if not d.text and not d.finished and not d.logprobs and not d.tool_calls:
                 continue
             lp = self.logprobs(choice, d.logprobs) if seq.params.logprobs is not None and d.logprobs else None
-            reason = seq.finish_reason if d.finished else None
+            reason = self._finish_reason(seq) if d.finished else None
             if self.chat:
-                delta, reason = self._chat_delta(choice, seq, d.text, d.finished)
-                if not delta and not d.finished and not lp:
-                    continue  # text held back by the tool-call parser
+                delta = {"content": d.text} if d.text or not (d.finished or d.tool_calls) else {}
+                if d.tool_calls:
+                    delta["tool_calls"] = [c.to_openai() for c in d.tool_calls]
                 choices.append({"index": choice, "delta": delta, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": choice, "text": d.text, "logprobs": lp, "finish_reason": reason})

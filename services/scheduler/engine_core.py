@@ -1,6 +1,6 @@
 """The engine core: the scheduler and the one registry of workers, each worker stepped on its own.
 
-The pipeline (``fuseserve/engine.py``) and the scheduler service (``services/scheduler/service.py``)
+The pipeline (``fuseserve/pipeline.py``) and the scheduler service (``services/scheduler/service.py``)
 are I/O adapters around one ``EngineCore``: they add requests and workers, call ``poll`` and deliver
 the token events it returns (to in-process queues, or to Redis streams).
 
@@ -23,6 +23,7 @@ import queue
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -142,6 +143,8 @@ class EngineCore:
         self._dispatch_all = False
         self.last_plans: dict[str, StepPlan] = {}  # plans sent by the last ``step`` / ``poll``
         self.num_completions = 0  # worker-steps applied by the last ``poll``
+        # called with each batch of plans and the seconds ``schedule_workers`` took to build them
+        self.on_plans: Callable[[dict[str, StepPlan], float], None] | None = None
 
     # ----- registry -----
     @property
@@ -158,12 +161,16 @@ class EngineCore:
         max_model_len: int,
         token_budget: int | None = None,
         threaded: bool = True,
+        latency_prior=None,
     ) -> None:
         """Register a worker. ``threaded=False`` runs its plans inline in ``step``/``poll`` (tests).
+        ``latency_prior``: its start-up latency curve (``Scheduler.add_worker``).
 
         Raises ``SchedulerError`` when no token budget is known or the name is taken.
         """
-        self.scheduler.add_worker(name, num_blocks, block_size, max_model_len, token_budget, handle)
+        self.scheduler.add_worker(
+            name, num_blocks, block_size, max_model_len, token_budget, handle, latency_prior
+        )
         self._lanes[name] = _Lane(name, handle, self._done, threaded)
         self._dispatch_all = True
 
@@ -174,6 +181,20 @@ class EngineCore:
             lane.close()
         self._dispatch_all = True
         return self.scheduler.remove_worker(name)
+
+    def drain_worker(self, name: str) -> bool:
+        """Place no new sequence on ``name`` (it is stopping); its running sequences go on to the end.
+
+        Sequences it loses later (preempted, or the worker gone at its deadline: ``remove_worker``)
+        recompute on other workers. Returns True when the worker was not draining yet; False for an
+        unknown worker or one already draining.
+        """
+        slot = self.scheduler.slots.get(name)
+        if slot is None or slot.draining:
+            return False
+        slot.draining = True
+        log.info("worker %s is draining: %d sequences finish there, none is added", name, len(slot.running))
+        return True
 
     # ----- requests -----
     def add_request(self, seq: Sequence) -> None:
@@ -315,7 +336,10 @@ class EngineCore:
             ]
             if not ready:
                 return
+            started = time.perf_counter()
             plans = self.scheduler.schedule_workers(ready)
+            if self.on_plans is not None and plans:
+                self.on_plans(plans, time.perf_counter() - started)
             for name, plan in plans.items():
                 self.last_plans[name] = plan
                 self._lanes[name].submit(plan)

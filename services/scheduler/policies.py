@@ -66,6 +66,8 @@ class Policy(ABC):
     #: new prompts may be placed on a worker not being planned (they then run there as continuing
     #: prompt chunks, which only a policy that continues chunks schedules)
     places_elsewhere = False
+    #: with latency targets, each pass's budget comes from ``slo_budget`` (else the fixed budget)
+    sized_by_slo = False
 
     @abstractmethod
     def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
@@ -89,9 +91,10 @@ def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> None:
             draft.blocked = True
 
 
-def continue_prompts(slot: WorkerSlot, draft: Draft) -> None:
-    """Continuing prompt chunks (their blocks were reserved at admission), in admission order."""
-    for seq in slot.running:
+def continue_prompts(slot: WorkerSlot, draft: Draft, key: Callable[[Sequence], float] | None = None) -> None:
+    """Continuing prompt chunks (their blocks were reserved at admission), in admission order, or
+    by ``key`` (earliest TTFT deadline first with latency targets)."""
+    for seq in sorted(slot.running, key=key) if key else slot.running:
         if seq.in_prefill and draft.has_room:
             draft.entries.append((seq, min(seq.num_uncomputed, draft.budget_left)))
 
@@ -129,12 +132,17 @@ def admit_new(
 class SplitFuse(Policy):
     name = "splitfuse"
     places_elsewhere = True
+    sized_by_slo = True
 
     def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
+        key = None
+        if sched.slo is not None and sched.slo.target_prefill_rate is not None:
+            sched.slo.order_waiting(sched)  # waiting prompts earliest TTFT deadline first
+            key = sched.slo.deadline
         drafts = {s.name: sched.new_draft(s) for s in slots}
         for slot in slots:
             schedule_decodes(sched, slot, drafts[slot.name])
-            continue_prompts(slot, drafts[slot.name])
+            continue_prompts(slot, drafts[slot.name], key)
         admit_new(sched, slots, drafts, split=True, fits=None)
         return drafts
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,29 +40,11 @@ from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.placement import StepTimeModel, seconds_per_share
 from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
-from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult
+from fuseserve.scheduler.slo_budget import PassLatency, SLOBudget
+from fuseserve.types import SeqChunk, StepPlan, StepResult, TokenEvent
+from fuseserve.worker.latency_model import PassShape
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenEvent:
-    """A token produced for a sequence; ``finish_reason`` set on its last event.
-
-    hidden: the token ended the sequence as EOS / a stop token id and is not part of the text.
-    error: why the sequence failed (with ``finish_reason`` ABORT), e.g. the worker rejected its step;
-    error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
-    index: the token's position in the sequence's output (-1 without a token), fixed when the token is
-    applied: one poll may apply several results of a sequence, so it cannot be read off later.
-    """
-
-    seq_id: int
-    token: SampledToken | None
-    finish_reason: FinishReason | None = None
-    hidden: bool = False
-    error: str | None = None
-    error_status: int = 500
-    index: int = -1
 
 
 @dataclass
@@ -83,6 +67,8 @@ class WorkerSlot:
         a scheduler used without transport.
     num_steps: plans sent so far; the next plan's ``step_id`` (a worker runs plans in step order).
     step_time: measured seconds per pass against tokens per pass (placement).
+    latency: predicted seconds of a pass of a given shape, corrected from measured passes (used with
+        latency targets, ``fuseserve.scheduler.slo_budget``).
     """
 
     name: str
@@ -96,7 +82,9 @@ class WorkerSlot:
     num_admitted: int = 0  # sequences admitted onto this worker so far (recomputes included)
     num_steps: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    latency: PassLatency = field(default_factory=PassLatency)
     poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
+    draining: bool = False  # the worker is stopping: its running sequences finish, no new ones come
 
 
 class Scheduler:
@@ -106,11 +94,22 @@ class Scheduler:
         config: token_budget (None → each worker's own, chosen by profiling), max_num_seqs,
             watermark_blocks, max_preemptions, policy.
         eos_token_ids: the model's EOS ids (generation config).
+        clock: seconds, for TTFT deadlines (a simulation passes its simulated clock).
+
+    ``pass_observers`` are called with ``(worker, token_budget, num_tokens)`` for every plan built:
+    the budget chosen for the pass and the tokens it holds (metrics, benchmarks).
     """
 
-    def __init__(self, config: EngineConfig, eos_token_ids: list[int]):
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: list[int], clock: Callable[[], float] = time.monotonic
+    ):
         config.validate()
         self.config = config
+        self.clock = clock
+        self.slo: SLOBudget | None = None
+        if config.target_itl is not None or config.target_prefill_rate is not None:
+            self.slo = SLOBudget(config.target_itl, config.target_prefill_rate, clock)
+        self.pass_observers: list[Callable[[str, int, int], None]] = []
         self.eos_token_ids = set(eos_token_ids)
         self.policy: Policy = get_policy(config.policy)
         self.slots: dict[str, WorkerSlot] = {}
@@ -132,8 +131,10 @@ class Scheduler:
         max_model_len: int,
         token_budget: int | None = None,
         handle: Any = None,
+        latency_prior: Callable[[PassShape], float] | None = None,
     ) -> WorkerSlot:
-        """Register a worker's capacity. ``token_budget`` is the worker's profiled budget.
+        """Register a worker's capacity. ``token_budget`` is the worker's profiled budget;
+        ``latency_prior`` its start-up latency curve (``slo_budget.curve_prior``), if known.
 
         Raises ``SchedulerError`` when neither the config nor the worker gives a budget, or the name
         is taken.
@@ -144,6 +145,7 @@ class Scheduler:
         if name in self.slots:
             raise SchedulerError(f"worker {name} is already registered")
         slot = WorkerSlot(name, BlockAccount(num_blocks, block_size), budget, max_model_len, handle)
+        slot.latency = PassLatency(latency_prior)
         self.slots[name] = slot
         self._workers_changed()
         return slot
@@ -187,6 +189,7 @@ class Scheduler:
                     param="max_tokens",
                 )
         seq.status = SeqStatus.WAITING
+        seq.arrival_time = self.clock()
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -248,9 +251,15 @@ class Scheduler:
             slot.pending_free = []
             slot.inflight.append(InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries]))
             plans[slot.name] = plan
+            for observe in self.pass_observers:
+                observe(slot.name, draft.token_budget, plan.num_tokens)
         return plans
 
     def new_draft(self, slot: WorkerSlot) -> Draft:
+        """An empty pass for ``slot``: the fixed budget, or with latency targets and a policy sized by
+        them, the budget ``SLOBudget.pass_budget`` chooses."""
+        if self.slo is not None and self.policy.sized_by_slo:
+            return Draft(self.slo.pass_budget(self, slot), self.config.max_num_seqs)
         return Draft(slot.token_budget, self.config.max_num_seqs)
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
@@ -335,9 +344,13 @@ class Scheduler:
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
         """Rule 2: blocks for the whole remaining prompt plus the watermark (plus ``extra_blocks``),
-        and a free sequence slot."""
-        return len(slot.running) < self.config.max_num_seqs and slot.account.can_reserve(
-            seq.seq_id, seq.num_tokens, self.config.watermark_blocks + extra_blocks
+        and a free sequence slot, on a worker that is not draining."""
+        return (
+            not slot.draining
+            and len(slot.running) < self.config.max_num_seqs
+            and slot.account.can_reserve(
+                seq.seq_id, seq.num_tokens, self.config.watermark_blocks + extra_blocks
+            )
         )
 
     def admit(self, slot: WorkerSlot, seq: Sequence) -> None:
@@ -455,9 +468,14 @@ class Scheduler:
                 f"worker {worker}: result of step {result.step_id}, expected {record.plan.step_id}"
             )
         slot.step_time.observe(record.plan.num_tokens, result.forward_seconds)
+        if self.slo is not None:
+            slot.latency.observe(PassShape.of_plan(record.plan), result.forward_seconds)
         sampled = {t.seq_id: t for t in result.tokens}
+        scored = {p.seq_id: p for p in result.prompt_logprobs}
         events = []
         for seq, _, admitted_at in record.entries:
+            if seq.seq_id in scored and self._live(seq, worker, admitted_at):  # before its first token
+                events.append(TokenEvent(seq.seq_id, None, prompt_logprobs=scored[seq.seq_id]))
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue

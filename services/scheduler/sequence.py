@@ -6,18 +6,13 @@ import enum
 from dataclasses import dataclass, field
 
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import FinishReason  # noqa: F401 - re-exported for the scheduler
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted and waiting for recompute
     RUNNING = "running"  # admitted on a worker; KV blocks reserved there
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_new_tokens or the context window reached
-    ABORT = "abort"  # the client went away or asked to cancel
 
 
 @dataclass
@@ -33,6 +28,8 @@ class Sequence:
     admitted_at: a counter value when it was last admitted (preemption picks the largest).
     num_tokens_at_admission: tokens known when it was last admitted; only a token sampled after
         that is held by the worker as the input of a decode entry (a recompute's are not).
+    arrival_time: when the scheduler queued it, on the scheduler's clock (seconds); the TTFT
+        deadline counts from here (``fuseserve.scheduler.slo_budget``).
     """
 
     seq_id: int
@@ -47,6 +44,7 @@ class Sequence:
     worker: str | None = None
     admitted_at: int = -1
     num_tokens_at_admission: int = 0
+    arrival_time: float = 0.0
 
     @property
     def prompt_len(self) -> int:

@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
 import threading
 import time
@@ -35,10 +34,13 @@ import redis
 
 from fuseserve import messages
 from fuseserve.config import EngineConfig
+from fuseserve.drain import DrainSignal
 from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler import drain
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import GrpcWorker
+from fuseserve.scheduler.metrics import SchedulerMetrics
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
 
@@ -72,33 +74,6 @@ class _Owner:
     seq: Sequence
 
 
-class SchedulerMetrics:
-    def __init__(self, port: int | None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("fuseserve_queue_depth", "sequences waiting", registry=self.registry)
-        self.running = Gauge("fuseserve_running_seqs", "sequences running", registry=self.registry)
-        self.workers = Gauge("fuseserve_workers_alive", "workers registered", registry=self.registry)
-        self.preemptions = Counter(
-            "fuseserve_preemptions_total", "sequences preempted", registry=self.registry
-        )
-        self.cpu_per_step = Histogram(
-            "fuseserve_scheduler_cpu_seconds_per_worker_step",
-            "scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
-            registry=self.registry,
-            buckets=(2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05),
-        )
-        self.worker_idle = Histogram(
-            "fuseserve_scheduler_worker_idle_seconds",
-            "seconds a worker sat idle before a pass, as the workers report it",
-            registry=self.registry,
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
-        )
-        if port:
-            start_http_server(port, registry=self.registry)
-
-
 def _error_type(status: int) -> str:
     return "service_unavailable" if status == 503 else "server_error"
 
@@ -125,12 +100,15 @@ class SchedulerService:
         self._last_claim = 0.0
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
+        self.metrics.watch(self.core)
         self._last_discovery = 0.0
         self._last_stats = 0.0
         self._last_trim = 0.0
         self._no_worker_since: float | None = None
         self._control_id = "0-0"
         self._cpu0 = time.process_time()
+        self.accepting = True  # reads new requests (False while draining: ``scheduler.drain``)
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -164,7 +142,7 @@ class SchedulerService:
             if entries:
                 log.warning("took over %d requests of a dead scheduler", len(entries))
                 self.num_taken_over += len(entries)
-            self._add_requests(entries)
+            self._add_requests(entries, taken_over=True)
             if start == "0-0" or not entries:
                 break
 
@@ -196,11 +174,13 @@ class SchedulerService:
                     "worker %s is gone%s; resuming its sequences elsewhere", wid, " (lease lost)" * lost
                 )
                 self._drop_worker(wid)
+            elif records[wid].draining:
+                self.core.drain_worker(wid)  # no new sequences there; its running ones finish
         self._lost_leases.clear()
         live = sum(1 for _ in self.r.scan_iter(match=messages.scheduler_live_key("*"), count=100))
         share = math.ceil(len(records) / max(1, live))
         for wid, rec in records.items():
-            if wid in self.core.workers or len(self.core.workers) >= share:
+            if wid in self.core.workers or len(self.core.workers) >= share or rec.draining:
                 continue
             lease = messages.worker_lease_key(wid)
             if not self.r.set(lease, self.consumer, nx=True, px=messages.SCHEDULER_TTL_S * 1000):
@@ -214,6 +194,7 @@ class SchedulerService:
                 self._release(keys=[lease], args=[self.consumer])
                 continue
             self._leased.add(wid)
+            self.metrics.set_model(rec.model)
             self.scheduler.eos_token_ids = set(rec.eos_token_ids)
             self.core.add_worker(
                 wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
@@ -237,6 +218,7 @@ class SchedulerService:
         """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
         handle = self.core.workers.get(wid)
         self.core.remove_worker(wid)
+        self.metrics.drop_worker(wid)
         if handle is not None:
             handle.close()
         if wid in self._leased:
@@ -244,7 +226,7 @@ class SchedulerService:
             self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
 
     # ----- requests -----
-    def _add_requests(self, entries) -> None:
+    def _add_requests(self, entries, taken_over: bool = False) -> None:
         errors: dict[str, list[messages.TokenMessage]] = defaultdict(list)
         for entry_id, fields in entries:
             if not fields:  # deleted while pending
@@ -268,13 +250,17 @@ class SchedulerService:
                 self._ack(entry_id)
                 continue
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
+            if not taken_over:
+                self.metrics.note_arrival(msg.seq_id)
         self._publish(errors)
 
     def room(self) -> int:
         """New sequences this scheduler's workers could take now (pull-based reading): free
-        sequence slots of its workers, less the sequences already waiting."""
+        sequence slots of its workers, less the sequences already waiting; 0 while draining."""
+        if not self.accepting:
+            return 0
         cap = self.config.max_num_seqs
-        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values())
+        free = sum(max(0, cap - len(s.running)) for s in self.scheduler.slots.values() if not s.draining)
         return free - len(self.scheduler.waiting)
 
     def _read_inputs(self, block_ms: int | None) -> None:
@@ -329,6 +315,7 @@ class SchedulerService:
                     logprob=tok.logprob if tok else None,
                     top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok else [],
                     hidden=ev.hidden,
+                    prompt_logprobs=messages.prompt_logprobs_to_wire(ev.prompt_logprobs),
                     finish_reason=ev.finish_reason.value if ev.finish_reason else None,
                     error=None
                     if ev.error is None
@@ -341,6 +328,7 @@ class SchedulerService:
             )
             if ev.finish_reason is not None:
                 finished.append(ev.seq_id)
+                self.metrics.forget(ev.seq_id)
         done = [self.owners.pop(sid).entry_id for sid in finished if sid in self.owners]
         self._publish(by_gateway, done)
 
@@ -364,6 +352,7 @@ class SchedulerService:
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
+        self.metrics.forget(seq_id)
         if owner is not None:
             self._ack(owner.entry_id)
 
@@ -439,6 +428,8 @@ class SchedulerService:
             "scheduler": self.consumer,
             "pid": os.getpid(),
             "taken_over": self.num_taken_over,
+            "metrics_port": self.metrics.port,
+            "metrics_host": socket.gethostname(),
         }
         pipe = self.r.pipeline(transaction=False)
         pipe.set(messages.SCHEDULER_STATS, json.dumps(stats), ex=10)
@@ -483,18 +474,27 @@ class SchedulerService:
             stop.wait(messages.HEARTBEAT_S)
 
     def close(self) -> None:
-        """Give up this scheduler's worker leases and liveness key (a clean stop: others take over at once)."""
-        for wid in list(self._leased):
-            self._drop_worker(wid)
+        """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished
+        requests back (``drain.hand_back``) and release its worker leases, so others take over at once."""
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         try:
             self.r.delete(messages.scheduler_live_key(self.consumer))
-        except redis.RedisError:
-            pass
+            if self.owners:
+                log.info("handed %d unfinished requests back", drain.hand_back(self))
+        except redis.RedisError as e:
+            log.warning("could not hand requests back (%s); they are claimed once idle", e)
+        for wid in list(self._leased):
+            try:
+                self._drop_worker(wid)
+            except redis.RedisError:
+                pass  # the lease expires
         self.core.close()
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""
-        threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True)
+        self._heartbeat.start()
         ready = False
         while not stop.is_set():
             try:
@@ -513,18 +513,21 @@ class SchedulerService:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT."""
+    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain
+    (``fuseserve.scheduler.drain``) and exit."""
     config = EngineConfig(
         token_budget=args.token_budget,
         max_num_seqs=args.max_num_seqs,
         policy=args.policy,
         block_size=args.block_size,
         overlap=getattr(args, "overlap", True),
+        target_itl=getattr(args, "target_itl", None),
+        target_prefill_rate=getattr(args, "target_prefill_rate", None),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
+    threading.Thread(target=drain.watch, args=(service, signals, stop), name="drain", daemon=True).start()
     print("fuseserve scheduler ready", flush=True)
     service.run(stop)
     service.close()

@@ -15,11 +15,12 @@ import torch
 from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import KVCacheTooSmallError
 from fuseserve.structured import model_grammar_backend
-from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
+from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker import parallel
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
+from fuseserve.worker.prompt_logprobs import PromptScorer, ScoreRows
 from fuseserve.worker.ragged_batch import RaggedBatch
 from fuseserve.worker.runner import WorkerInfo
 from fuseserve.worker.sampler import Sampler, SeqSamplingState
@@ -78,6 +79,9 @@ class ModelRunner:
             num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
         )
         self.seqs: dict[int, WorkerSeq] = self.seq_table.seqs
+        self.scorer = PromptScorer()  # prompt logprobs (scoring); see prompt_logprobs.py
+        self._score_rows: list[ScoreRows] = []  # prepare → run_pass: rows to score this pass
+        self._scored: list[PromptLogprobs] = []  # run_pass → step: prompt logprobs of this pass
         self.vocab_size = args.vocab_size
         self.sampler = Sampler(
             eos_token_ids,
@@ -118,6 +122,7 @@ class ModelRunner:
     def free(self, seq_ids: list[int]) -> None:
         """Drop sequences and return their blocks (unknown ids are ignored)."""
         self.seq_table.free(seq_ids)
+        self.scorer.free(seq_ids)
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run one plan: free, prepare, run, sample, postprocess. Returns the sampled tokens in plan order."""
@@ -140,7 +145,8 @@ class ModelRunner:
                         [TokenLogprob(t.token_id, t.logprob) for t in tops],
                     )
                 )
-        return StepResult(plan.step_id, tokens, time.perf_counter() - t0)
+        scored, self._scored = self._scored, []
+        return StepResult(plan.step_id, tokens, time.perf_counter() - t0, prompt_logprobs=scored)
 
     @torch.inference_mode()
     def run_pass(self, plan: StepPlan, all_logits: bool = False) -> tuple[torch.Tensor, list[SeqChunk]]:
@@ -156,6 +162,7 @@ class ModelRunner:
         with forward_context(ForwardContext(self.backend, metadata, self.kv_cache)):
             hidden = self.model(batch.input_ids, batch.positions)
             logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+            self._scored = self.scorer.score(hidden, self.model.compute_logits, self._score_rows)
         self.seq_table.computed(plan.chunks)
         return logits, sampling_chunks
 
@@ -169,10 +176,18 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, context_lens, tables, logits_idx, sampling_chunks = [], [], [], [], []
+        self._score_rows = []
         bs = self.block_size
         for c in plan.chunks:
             seq, tokens, table = self.seq_table.admit(c)
             self._record_tokens(seq, c.start_pos, tokens)
+            top_n = seq.sampling.params.prompt_logprobs if seq.sampling is not None else None
+            if top_n is not None:
+                rows = self.scorer.rows(
+                    c.seq_id, c.start_pos, c.num_tokens, seq.prompt_len, len(input_ids), tokens, top_n
+                )
+                if rows is not None:
+                    self._score_rows.append(rows)
             end = c.start_pos + c.num_tokens
             input_ids.extend(tokens)
             positions.extend(range(c.start_pos, end))

@@ -17,11 +17,11 @@ import torch
 
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SeqChunk, StepPlan
+from fuseserve.worker.latency_model import PROFILE_SIZES
 
 log = logging.getLogger(__name__)
 
 KNEE_FRACTION = 0.9
-PROFILE_SIZES = (32, 64, 128, 256, 512)
 PROFILE_VERSION = 2  # bump when the forward path changes enough to move the curve (invalidates caches)
 _PROFILE_SEQ_ID = -1  # never handed out to requests (sequence ids are >= 0)
 
@@ -57,6 +57,19 @@ def knee(curve: dict[int, float], fraction: float = KNEE_FRACTION) -> int:
 
 def choose_token_budget(runner, model_key: str, cache_dir: Path | None = None) -> int:
     """Profile (or read the cached profile) and return the knee; logs the curve and the choice."""
+    curve = profile_curve(runner, model_key, cache_dir)
+    budget = knee(curve)
+    log.info(
+        "forward throughput by pass size: %s → token budget %d",
+        ", ".join(f"{n}: {n / s:.0f} tok/s" for n, s in sorted(curve.items())),
+        budget,
+    )
+    return budget
+
+
+def profile_curve(runner, model_key: str, cache_dir: Path | None = None) -> dict[int, float]:
+    """The start-up profile ``{tokens: seconds}`` (``measure_curve``), measured once per model +
+    device + dtype + torch version + thread count and cached under ``cache_dir``."""
     key = f"v{PROFILE_VERSION}|{model_key}|{runner.device}|{runner.dtype}|torch{torch.__version__}|threads{torch.get_num_threads()}"
     cache_dir = Path(cache_dir or os.environ.get("FUSESERVE_CACHE", Path.home() / ".cache" / "fuseserve"))
     path = cache_dir / "token_budget.json"
@@ -71,10 +84,4 @@ def choose_token_budget(runner, model_key: str, cache_dir: Path | None = None) -
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(path)
-    budget = knee(curve)
-    log.info(
-        "forward throughput by pass size: %s → token budget %d",
-        ", ".join(f"{n}: {n / s:.0f} tok/s" for n, s in sorted(curve.items())),
-        budget,
-    )
-    return budget
+    return curve

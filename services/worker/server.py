@@ -8,13 +8,17 @@ model, sizes its KV cache, chooses its token budget (profiling, cached), serves
 ``--simulate PRESET [--simulate-slowdown F]`` serves the same server with a ``SimulatedRunner``
 (``sim_runner.py``): no model, no torch; the token budget defaults to the preset's knee and the KV
 blocks to its capacity (or ``--kv-cache-memory`` at the preset's bytes per token).
+
+SIGTERM drains the worker (``fuseserve.drain``; ``--drain-timeout``): its record says ``draining``, so
+its scheduler places no new sequence on it; it serves its running sequences to their end, then
+deletes its record and exits 0. At the deadline (or a second signal) it deletes its record and stops
+serving: the sequences still on it recompute on other workers (the scheduler's lost-worker path).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 import threading
 import time
@@ -24,9 +28,11 @@ from concurrent import futures
 import grpc
 
 from fuseserve import messages
+from fuseserve.drain import DrainSignal
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
+from fuseserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +106,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         time.sleep(0)  # hand the GIL to a plan queued behind this one: its pass starts now
         result.idle_seconds = idle
         if self.metrics is not None:
-            self.metrics.observe_step(plan.num_tokens, len(result.tokens), result.forward_seconds, free, idle)
+            self.metrics.observe_step(plan.num_tokens, len(result.tokens), result.forward_seconds)
         return convert.step_result_to_proto(result, free)
 
     def _end_step(self, step_id: int) -> None:
@@ -123,59 +129,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.HealthResponse(
             ok=True, num_free_blocks=self.runner.num_free_blocks, num_running_seqs=len(self.runner.seqs)
         )
-
-
-class WorkerMetrics:
-    """Prometheus metrics of one worker (served on ``--metrics-port``; 0 picks a free port, ``port``).
-
-    Busy fraction over a window = increase of ``fuseserve_step_seconds_sum`` (seconds in steps) ÷
-    the window's wall seconds; ``fuseserve_step_seconds_count`` counts steps and
-    ``fuseserve_sampled_tokens_total`` the tokens this worker generated.
-    """
-
-    def __init__(self, worker_id: str, port: int):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.free_blocks = Gauge(
-            "fuseserve_kv_free_blocks", "free KV-cache blocks", ["worker"], registry=self.registry
-        ).labels(worker_id)
-        self.step_tokens = Histogram(
-            "fuseserve_step_tokens",
-            "tokens per forward pass",
-            registry=self.registry,
-            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-        )
-        self.step_seconds = Histogram(
-            "fuseserve_step_seconds", "seconds per step on the worker", registry=self.registry
-        )
-        self.sampled_tokens = Counter(
-            "fuseserve_sampled_tokens", "tokens sampled (generated) by this worker", registry=self.registry
-        )
-        self.idle_seconds = Histogram(
-            "fuseserve_worker_idle_seconds",
-            "seconds between the end of a pass and the start of the next",
-            registry=self.registry,
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
-        )
-        self.busy_seconds = Counter(
-            "fuseserve_worker_busy_seconds_total", "seconds spent in passes", registry=self.registry
-        )
-        server, _ = start_http_server(port, registry=self.registry)
-        self.port: int = server.server_port
-
-    def observe_step(
-        self, tokens: int, sampled: int, seconds: float, free_blocks: int, idle: float | None = None
-    ) -> None:
-        """Record one pass: ``tokens`` in it, ``sampled`` tokens it produced, its ``seconds``,
-        ``free_blocks`` after it, and the ``idle`` seconds before it (None: not measured)."""
-        self.step_tokens.observe(tokens)
-        self.sampled_tokens.inc(sampled)
-        self.step_seconds.observe(seconds)
-        self.busy_seconds.inc(seconds)
-        self.free_blocks.set(free_blocks)
-        if idle is not None:
-            self.idle_seconds.observe(idle)
 
 
 def model_runner(args: argparse.Namespace):
@@ -237,15 +190,30 @@ def simulated_runner(args: argparse.Namespace):
     return runner, str(args.model), args.token_budget or model.knee()
 
 
+def wait_drained(runner, drain: DrainSignal) -> int:
+    """After the drain notice: wait until ``runner`` has held no sequence for ``DRAIN_NOTICE_S`` since
+    the notice (no scheduler places one on it any more), or until ``drain`` expires. Returns the
+    number of sequences still held (to be handed back), 0 when drained."""
+    notice = time.monotonic()
+    while not drain.expired():
+        if not runner.seqs and time.monotonic() - notice >= messages.DRAIN_NOTICE_S:
+            return 0
+        drain.wait(0.05)
+    n = len(runner.seqs)
+    if n:
+        log.warning("drain deadline: handing %d sequences back for recompute elsewhere", n)
+    return n
+
+
 def run_worker(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve worker``: serve until SIGTERM / SIGINT."""
+    """Entry point of ``fuseserve worker``: serve until SIGTERM / SIGINT, then drain and exit."""
     import redis
 
     worker_id = getattr(args, "worker_id", None) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     simulate = getattr(args, "simulate", None)
     runner, model_name, budget = simulated_runner(args) if simulate else model_runner(args)
     metrics_port = getattr(args, "metrics_port", None)
-    metrics = WorkerMetrics(worker_id, metrics_port) if metrics_port is not None else None
+    metrics = WorkerMetrics(worker_id, model_name, metrics_port, runner) if metrics_port is not None else None
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=convert.GRPC_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, worker_id, model_name, metrics), server)
@@ -267,16 +235,22 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     r = redis.Redis.from_url(args.redis_url)
     stop = threading.Event()
+    register = threading.Lock()  # one writer of the record at a time (the drain notice must stick)
 
-    def heartbeat() -> None:
-        while not stop.is_set():
+    def write_record() -> None:
+        with register:
             try:
                 r.set(messages.worker_key(worker_id), record.encode(), ex=messages.WORKER_TTL_S)
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)
+
+    def heartbeat() -> None:
+        while not stop.is_set():
+            write_record()
             stop.wait(messages.HEARTBEAT_S)
 
-    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
+    beat = threading.Thread(target=heartbeat, name="heartbeat", daemon=True)
+    beat.start()
     log.info(
         "worker %s serving %s at %s (%d KV blocks, token budget %d%s)",
         worker_id,
@@ -288,17 +262,21 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     print(f"fuseserve worker {worker_id} ready at {address}", flush=True)
 
-    def shutdown(*_):
-        stop.set()
-
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
-    stop.wait()
-    try:
-        r.delete(messages.worker_key(worker_id))
-    except redis.RedisError:
-        pass
-    server.stop(grace=2).wait()
+    drain = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
+    drain.requested.wait()
+    with register:
+        record.draining = True
+    write_record()
+    handed_back = wait_drained(runner, drain)
+    stop.set()
+    beat.join()
+    with register:
+        try:
+            r.delete(messages.worker_key(worker_id))
+        except redis.RedisError:
+            pass
+    server.stop(grace=2).wait()  # plans still arriving are refused: their sequences recompute elsewhere
+    log.info("worker %s drained (%d sequences handed back)", worker_id, handed_back)
     if hasattr(runner, "close"):  # a tensor-parallel runner stops its other ranks
         runner.close()
     return 0

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -47,6 +49,10 @@ STREAM_PROMPTS = [
     "What do bees make?",
 ]
 UP_TIMEOUT_S = 900
+SECRETS = {
+    "FUSESERVE_REDIS_PASSWORD": secrets.token_hex(24),
+    "FUSESERVE_API_KEY": "sk-" + secrets.token_hex(24),
+}
 REPORT: dict = {}
 
 
@@ -125,7 +131,8 @@ def stack():
     REPORT["image_sizes"] = [line for line in sizes.splitlines() if "localhost/fuseserve" in line]
 
     port = free_port()
-    env = {"WORKER_DEVICE": "cpu", "GATEWAY_PORT": str(port)}
+    # The secrets compose requires (README "Deploy" has users put them in .env)
+    env = {"WORKER_DEVICE": "cpu", "GATEWAY_PORT": str(port), **SECRETS}
     if _image_exists("localhost/fuseserve-redis:latest"):  # built when no registry answers
         env["REDIS_IMAGE"] = "localhost/fuseserve-redis:latest"
     _compose("down", "-v", "--remove-orphans", env=env, check=False)
@@ -154,7 +161,12 @@ def stack():
 
 def _client(port: int):
     openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300, max_retries=0)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        api_key=SECRETS["FUSESERVE_API_KEY"],
+        timeout=300,
+        max_retries=0,
+    )
 
 
 def _stream(client, prompt: str, first_token: threading.Event | None = None) -> str:
@@ -189,6 +201,15 @@ def _run_streams(client, events: list[threading.Event] | None = None) -> list[st
     for t in threads:
         t.join(timeout=600)
     return results
+
+
+def test_the_published_port_needs_the_api_key(stack):
+    port, _ = stack
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401
 
 
 def test_openai_client_gets_paris_through_the_published_port(stack):

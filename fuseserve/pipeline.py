@@ -14,50 +14,55 @@ import atexit
 import itertools
 import logging
 import queue
+import sys
 import threading
+import types
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from fuseserve.config import EngineConfig
-from fuseserve.detokenizer import DetokenizeStream
-from fuseserve.errors import ContextLengthExceededError, FuseServeError, InvalidRequestError
+from fuseserve.errors import FuseServeError
+from fuseserve.frontend import Delta, OutputState, PromptEncoder, as_batch
+from fuseserve.frontend.model_info import (
+    context_length,
+    generation_defaults,
+    load_tokenizer,
+    read_chat_template,
+)
 from fuseserve.model_source import resolve_model
 from fuseserve.outputs import Response
-from fuseserve.sampling_params import SamplingParams, check_text
+from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.engine_core import EngineCore
-from fuseserve.scheduler.scheduler import TokenEvent
-from fuseserve.scheduler.sequence import FinishReason, Sequence
+from fuseserve.scheduler.sequence import Sequence
+from fuseserve.scheduler.slo_budget import curve_prior
 from fuseserve.structured import grammar_backend
+from fuseserve.types import FinishReason, TokenEvent
 from fuseserve.worker.model_runner import ModelRunner
-from fuseserve.worker.profiler import choose_token_budget
+from fuseserve.worker.profiler import knee, profile_curve
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
 
-@dataclass
-class _Request:
-    seq_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    detok: DetokenizeStream
-    events: queue.Queue = field(default_factory=queue.Queue)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
+class _Request(OutputState):
+    """One prompt in flight: its output state, its engine ``seq_id`` and its event queue."""
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer):
+        super().__init__(prompt_ids, params, tokenizer)
+        self.seq_id = seq_id
+        self.events: queue.Queue = queue.Queue()
 
     def response(self) -> Response:
         return Response(
-            self.detok.text,
+            self.text,
             self.token_ids,
             len(self.prompt_ids),
             len(self.token_ids),
             self.finish_reason or "abort",
             self.logprobs,
             self.top_logprobs,
+            self.prompt_logprobs,
         )
 
 
@@ -79,6 +84,11 @@ class Pipeline:
         cache_dir: str | None = None,
         progress: bool = True,
         overlap: bool = True,
+        target_itl: float | None = None,
+        target_prefill_rate: float | None = None,
+        tokenizer: str | None = None,
+        chat_template: str | None = None,
+        max_model_len: int | None = None,
     ):
         self.config = EngineConfig(
             token_budget=token_budget,
@@ -90,20 +100,37 @@ class Pipeline:
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
+            target_itl=target_itl,
+            target_prefill_rate=target_prefill_rate,
         )
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
-        self.tokenizer = self.source.load_tokenizer()
+        context = context_length(self.source.config, max_model_len)  # raises before anything loads
+        self.tokenizer = load_tokenizer(self.source, tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
         self.runner = ModelRunner(
             self.source.path, self.source.config, self.eos_token_ids, self.config, progress=progress
         )
         info = self.runner.info
-        self.token_budget = token_budget or choose_token_budget(self.runner, str(self.source.path), cache_dir)
-        self.max_model_len = info.max_model_len
+        slo = target_itl is not None or target_prefill_rate is not None
+        curve = None  # the start-up profile: the knee, and with targets the latency prior
+        if token_budget is None or slo:
+            curve = profile_curve(self.runner, str(self.source.path), cache_dir)
+        self.token_budget = token_budget or knee(curve)
+        self.max_model_len = min(info.max_model_len, context)
+        self.encoder = PromptEncoder(
+            self.tokenizer, self.runner.vocab_size, self.max_model_len, read_chat_template(chat_template)
+        )
+        self.defaults = generation_defaults(self.source.path)
         self.core = EngineCore(self.config, self.eos_token_ids)
         self.core.add_worker(
-            "local", self.runner, info.num_blocks, info.block_size, info.max_model_len, self.token_budget
+            "local",
+            self.runner,
+            info.num_blocks,
+            info.block_size,
+            info.max_model_len,
+            self.token_budget,
+            latency_prior=curve_prior(curve) if slo else None,
         )
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
@@ -128,17 +155,16 @@ class Pipeline:
         """Generate for each prompt (text or token ids); returns one ``Response`` per prompt, in order.
 
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` (unknown keyword, bad value, empty
-        prompt without BOS) and ``ContextLengthExceededError`` before anything runs.
+        prompt) and ``ContextLengthExceededError`` before anything runs.
         """
-        batch = _as_batch(prompts)
-        params = SamplingParams.from_kwargs(**kwargs).validate()
-        ids = [self._encode(p, params) for p in batch]
+        params = self._params(kwargs)
+        ids = [self._encode(p, params) for p in as_batch(prompts)]
         reqs = [self._submit(p, params) for p in ids]
         return [self._collect(r) for r in reqs]
 
     def stream(self, prompt: Prompt, **kwargs) -> Iterator[str]:
         """Yield text deltas as they are produced; joined, they equal the non-streamed text."""
-        params = SamplingParams.from_kwargs(**kwargs).validate()
+        params = self._params(kwargs)
         return self._lazy_events(self._encode(prompt, params), params, with_tokens=False)
 
     def stream_tokens(self, prompt: Prompt, **kwargs) -> Iterator[tuple[int, str]]:
@@ -147,8 +173,12 @@ class Pipeline:
         ``text_delta`` may be ``""`` (an incomplete UTF-8 character or text held back as a possible
         stop string; it arrives with a later token). Same keywords and errors as ``__call__``.
         """
-        params = SamplingParams.from_kwargs(**kwargs).validate()
+        params = self._params(kwargs)
         return self._lazy_events(self._encode(prompt, params), params, with_tokens=True)
+
+    def _params(self, kwargs: dict) -> SamplingParams:
+        """Validated params: ``kwargs`` over the model's ``generation_config.json`` defaults."""
+        return SamplingParams.from_kwargs(**{**self.defaults, **kwargs})
 
     def _lazy_events(self, ids: list[int], params: SamplingParams, with_tokens: bool):
         """Submit on the first ``next()``, so a stream dropped before iteration never runs."""
@@ -164,23 +194,8 @@ class Pipeline:
         return self(self.chat_prompt_ids(messages), **kwargs)[0]
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` rendered by the tokenizer's chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "this model has no chat template; send a plain prompt", param="messages"
-            )
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise InvalidRequestError(
-                "messages must be a list of {'role': ..., 'content': ...} dicts", "messages"
-            )
-        for m in messages:
-            if isinstance(m.get("content"), str):
-                check_text(m["content"], "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # jinja errors on malformed messages
-            raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from e
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Token ids of ``messages`` rendered by the chat template (``PromptEncoder.chat``)."""
+        return self.encoder.chat(messages)
 
     def close(self) -> None:
         """Stop the engine thread (pending requests finish with ``abort``). Idempotent; also runs at exit."""
@@ -202,25 +217,8 @@ class Pipeline:
     # ----- request side (caller threads) -----
     def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Token ids of ``prompt``, checked to fit the context with ``params.max_new_tokens``."""
-        if isinstance(prompt, str):
-            check_text(prompt, "prompt")
-            ids = self.tokenizer(prompt)["input_ids"]
-        elif _is_ids(prompt):
-            bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]} outside [0, {self.runner.vocab_size})", param="prompt"
-                )
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
-        if not ids:
-            bos = self.tokenizer.bos_token_id
-            if bos is None:
-                raise InvalidRequestError("empty prompt and the model has no BOS token", param="prompt")
-            ids = [bos]
-        if len(ids) + params.max_new_tokens > self.max_model_len:
-            raise ContextLengthExceededError(len(ids), params.max_new_tokens, self.max_model_len)
+        ids = self.encoder.encode(prompt)
+        self.encoder.check_context(len(ids), params.max_new_tokens)
         return ids
 
     def _submit(self, ids: list[int], params: SamplingParams) -> _Request:
@@ -228,12 +226,7 @@ class Pipeline:
             raise FuseServeError("pipeline is closed")
         if params.constrained:  # a grammar the library cannot compile is a 400 here, not a worker error
             grammar_backend(self.tokenizer, self.runner.vocab_size, self.eos_token_ids).check(params)
-        req = _Request(
-            next(self._ids),
-            ids,
-            params,
-            DetokenizeStream(self.tokenizer, params.stop, params.include_stop_str_in_output),
-        )
+        req = _Request(next(self._ids), ids, params, self.tokenizer)
         self._command("add", req)
         return req
 
@@ -263,25 +256,24 @@ class Pipeline:
                 self._command("abort", req.seq_id)
 
     def _apply(self, req: _Request, ev: TokenEvent) -> str:
+        """Apply one engine event to ``req`` (``OutputState.apply``); returns the text delta."""
         if ev.error is not None:
             req.finish_reason = FinishReason.ABORT.value
             raise FuseServeError(f"generation failed: {ev.error}")
-        delta = ""
-        if ev.token is not None:
-            req.token_ids.append(ev.token.token_id)
-            if ev.token.logprob is not None:
-                req.logprobs.append(ev.token.logprob)
-                req.top_logprobs.append(ev.token.top_logprobs)
-            if not ev.hidden:
-                delta = req.detok.push([ev.token.token_id])
-            if req.detok.stopped:
-                req.finish_reason = FinishReason.STOP.value
-                self._command("abort", req.seq_id)
-                return delta
-        if ev.finish_reason is not None:
-            req.finish_reason = ev.finish_reason.value
-            delta += req.detok.finish()
-        return delta
+        delta = Delta()
+        tok = ev.token
+        req.apply(
+            delta,
+            tok.token_id if tok is not None else None,
+            tok.logprob if tok is not None else None,
+            tok.top_logprobs if tok is not None else None,
+            ev.hidden,
+            ev.finish_reason.value if ev.finish_reason is not None else None,
+            prompt_logprobs=ev.prompt_logprobs,
+        )
+        if req.stop_matched:
+            self._command("abort", req.seq_id)
+        return delta.text
 
     # ----- engine thread -----
     def _engine(self) -> None:
@@ -332,25 +324,6 @@ class Pipeline:
         self._requests.clear()
 
 
-def _is_ids(x) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _as_batch(prompts) -> list[Prompt]:
-    """``prompts`` as a list of prompts: a str, a list of token ids, or a list of those.
-
-    Raises ``InvalidRequestError`` for anything else (None, numbers, dicts, nested lists).
-    """
-    if isinstance(prompts, str) or _is_ids(prompts):  # [] is an empty prompt: BOS
-        return [prompts]
-    if isinstance(prompts, list | tuple) and all(isinstance(p, str) or _is_ids(p) for p in prompts):
-        return list(prompts)
-    raise InvalidRequestError(
-        f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}",
-        param="prompt",
-    )
-
-
 _LIVE: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 
 
@@ -378,7 +351,12 @@ def pipeline(
     on CPU, 85% of free GPU memory on CUDA). policy: "splitfuse", "prefill_first", "whole_prompt".
     Other keywords: block_size, device, dtype, attention_backend ("auto", "torch", "cpu", "triton",
     "flash-attn"), cache_dir, progress, overlap (build the next pass while the current one runs;
-    default True).
+    default True), target_itl (seconds) and target_prefill_rate (prompt tokens/s; TTFT target =
+    prompt tokens / rate): latency targets that size each SplitFuse pass from this device's measured
+    latency curve (``docs/architecture.md``, "SLO-driven token budget"); default None (fixed budget);     tokenizer (a tokenizer directory replacing the model's; without any tokenizer only
+    token-id prompts work), chat_template (a Jinja file replacing the model's), max_model_len
+    (context length in tokens, at most the model's). Sampling defaults come from the model's
+    ``generation_config.json`` (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens).
     Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
     """
     return Pipeline(
@@ -389,3 +367,14 @@ def pipeline(
         policy=policy,
         **kwargs,
     )
+
+
+class _CallableModule(types.ModuleType):
+    """``fuseserve.pipeline`` is both this module and the function above: importing the submodule
+    binds the package attribute to the module, so the module calls through to the function."""
+
+    def __call__(self, *args, **kwargs) -> Pipeline:
+        return pipeline(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

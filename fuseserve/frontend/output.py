@@ -1,0 +1,181 @@
+"""Per-sequence output state: token events in, text / logprob deltas out (pipeline and gateway).
+
+``OutputState.apply`` takes one token event (from the in-process engine core or from the Redis
+response stream) and returns what it adds: every token counts in usage; a hidden token (EOS / a
+stop token id) adds no text; text goes through the incremental detokenizer and the stop-string
+matcher (``fuseserve.detokenizer``); a matched stop string finishes the sequence with "stop" and
+``stop_matched`` tells the caller to free it in the engine at once. ``index`` drops duplicate events
+(a restarted scheduler may resend).
+
+Hook for parsers of the generated text (tool calls): ``text_parser`` sits between the detokenized
+text and the emitted delta. It gets each new piece of text and the ``Delta`` being built, sets the
+content it lets through (``delta.text``) and may add ``delta.tool_calls``; ``finish`` flushes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fuseserve.detokenizer import DetokenizeStream
+from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import PromptLogprobs, TokenLogprob
+
+
+@dataclass
+class TokenLogprobs:
+    """A visible generated token with its logprob and its top alternatives."""
+
+    token_id: int
+    logprob: float | None
+    top: list[TokenLogprob]
+
+
+@dataclass
+class Delta:
+    """What events added to one sequence: content text, logprobs of its visible tokens, parsed
+    items (tool calls, from a ``text_parser``), and whether the sequence finished."""
+
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    tool_calls: list[Any] = field(default_factory=list)
+    finished: bool = False
+
+
+class TextParser(Protocol):
+    """An incremental parser of generated text (e.g. tool calls) placed by ``OutputState``."""
+
+    def push(self, text: str, delta: Delta) -> None:
+        """Consume newly detokenized ``text``: add the content to show to ``delta.text``, parsed
+        items to ``delta.tool_calls``."""
+
+    def finish(self, delta: Delta) -> None:
+        """The sequence ended: flush anything held back into ``delta``."""
+
+
+def _as_top(top: list) -> list[TokenLogprob]:
+    """Top alternatives as ``TokenLogprob`` (the Redis contract carries ``[[token_id, logprob], ...]``)."""
+    return [t if isinstance(t, TokenLogprob) else TokenLogprob(int(t[0]), float(t[1])) for t in top]
+
+
+class OutputState:
+    """One generated sequence's output so far.
+
+    prompt_ids: its prompt's token ids. params: its validated ``SamplingParams``. tokenizer: for
+    the detokenizer (None: token ids only, no text). text_parser: see the module docstring.
+
+    Attributes: token_ids (every generated id, hidden ones included); logprobs / top_logprobs (per
+    generated token, when asked for); visible (logprobs of the visible tokens); prompt_logprobs (per
+    prompt position, None at position 0 and where not computed; None unless asked for); finish_reason
+    ("stop", "length", "abort", "error" or None while running); error (the event's error, as given).
+    """
+
+    def __init__(
+        self, prompt_ids: list[int], params: SamplingParams, tokenizer, text_parser: TextParser | None = None
+    ):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.detok = (
+            DetokenizeStream(tokenizer, params.stop, params.include_stop_str_in_output) if tokenizer else None
+        )
+        self.text_parser = text_parser
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[TokenLogprob]] = []
+        self.visible: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.next_index = 0
+        self.finish_reason: str | None = None
+        self.error: Any = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stop_matched(self) -> bool:
+        """A stop string ended the sequence (the engine must be told to free it)."""
+        return self.detok is not None and self.detok.stopped
+
+    def _text(self, piece: str, delta: Delta) -> None:
+        if self.text_parser is not None:
+            before = len(delta.text)
+            self.text_parser.push(piece, delta)
+            self.text += delta.text[before:]
+        elif piece:
+            delta.text += piece
+            self.text += piece
+
+    def apply(
+        self,
+        delta: Delta,
+        token_id: int | None,
+        logprob: float | None = None,
+        top: list | None = None,
+        hidden: bool = False,
+        finish_reason: str | None = None,
+        index: int = -1,
+        error: Any = None,
+        prompt_logprobs: PromptLogprobs | dict | None = None,
+    ) -> bool:
+        """Add one event to ``delta``; True when it carried a new token (False: duplicate or none).
+
+        ``index``: the token's position in the output (-1: unknown); an index already seen is a
+        duplicate and ignored. ``error`` finishes the sequence with "error". ``prompt_logprobs``:
+        prompt-token logprobs (a ``PromptLogprobs`` or its wire dict), kept one per position.
+        """
+        if self.finished:
+            return False
+        if prompt_logprobs is not None:
+            self._add_prompt_logprobs(prompt_logprobs)
+        new_token = False
+        if token_id is not None:
+            if 0 <= index < self.next_index:
+                return False  # a duplicate: applied the first time it came
+            if index >= 0:
+                self.next_index = index + 1
+            new_token = True
+            self.token_ids.append(token_id)
+            tops = _as_top(top or [])
+            if logprob is not None:
+                self.logprobs.append(logprob)
+                self.top_logprobs.append(tops)
+            if not hidden:
+                if self.detok is not None:
+                    self._text(self.detok.push([token_id]), delta)
+                if self.params.logprobs is not None:
+                    entry = TokenLogprobs(token_id, logprob, tops)
+                    self.visible.append(entry)
+                    delta.logprobs.append(entry)
+            if self.stop_matched:
+                self.finish_reason = "stop"
+                self._finish(delta)
+                return new_token
+        if error is not None:
+            self.error = error
+            self.finish_reason = "error"
+            delta.finished = True
+        elif finish_reason is not None:
+            self.finish_reason = finish_reason
+            if self.detok is not None:
+                self._text(self.detok.finish(), delta)
+            self._finish(delta)
+        return new_token
+
+    def _add_prompt_logprobs(self, p: PromptLogprobs | dict) -> None:
+        if isinstance(p, dict):
+            p = PromptLogprobs(-1, p["start_pos"], p["logprobs"], [_as_top(t) for t in p["top"]])
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+        for i, lp in enumerate(p.logprobs):
+            pos = p.start_pos + i
+            if 0 < pos < len(self.prompt_ids):
+                self.prompt_logprobs[pos] = TokenLogprobs(self.prompt_ids[pos], lp, _as_top(p.top[i]))
+
+    def _finish(self, delta: Delta) -> None:
+        if self.text_parser is not None:
+            before = len(delta.text)
+            self.text_parser.finish(delta)
+            self.text += delta.text[before:]
+        delta.finished = True

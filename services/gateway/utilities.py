@@ -1,0 +1,53 @@
+"""The gateway's utility endpoints (vLLM's shapes): model cards, ``/tokenize``, ``/detokenize``.
+
+Each takes the app's ``Gateway`` (``app.py``) and an already validated body; encoding goes through
+the front end's ``PromptEncoder``, so ``/tokenize`` gives exactly the ids a request would run on.
+"""
+
+from __future__ import annotations
+
+from fuseserve.errors import InvalidRequestError
+from fuseserve.gateway.protocol import DetokenizeRequest, TokenizeRequest
+from fuseserve.sampling_params import check_text
+
+
+def model_card(gw, name: str) -> dict:
+    """The ``/v1/models`` entry of served name ``name``."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "fuseserve",
+        "root": gw.model_name,
+        "max_model_len": gw.max_model_len,
+    }
+
+
+def _need_tokenizer(gw) -> None:
+    if gw.tokenizer is None:
+        raise InvalidRequestError("this server runs without a tokenizer (start it with --tokenizer DIR)")
+
+
+def tokenize(gw, req: TokenizeRequest) -> dict:
+    """``{"count", "max_model_len", "tokens"}`` of a prompt or of chat messages (with the template).
+
+    Raises ``InvalidRequestError`` unless exactly one of ``prompt`` / ``messages`` is given, or
+    when they cannot be encoded.
+    """
+    _need_tokenizer(gw)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequestError("send exactly one of 'prompt' and 'messages'", param="prompt")
+    if req.messages is not None:
+        ids = gw.encoder.chat([m.model_dump(exclude_none=True) for m in req.messages])
+    else:
+        check_text(req.prompt, "prompt")
+        ids = gw.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+    return {"count": len(ids), "max_model_len": gw.max_model_len, "tokens": list(ids)}
+
+
+def detokenize(gw, req: DetokenizeRequest) -> dict:
+    """``{"prompt": text}`` of ``tokens``; raises ``InvalidRequestError`` for ids outside the vocabulary."""
+    _need_tokenizer(gw)
+    if req.tokens:
+        gw.encoder.encode(req.tokens)  # checks the ids against the vocabulary
+    return {"prompt": gw.tokenizer.decode(req.tokens)}

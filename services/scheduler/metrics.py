@@ -1,0 +1,205 @@
+"""The scheduler's Prometheus metrics (served on ``--metrics-port``), under vLLM's names.
+
+The scheduler owns what it decides: its queue (``fuseserve_num_requests_waiting``), the sequences
+running on its workers, preemptions, the passes it plans (``fuseserve_iteration_tokens_total``, one
+observation per plan, against ``fuseserve_token_budget``), how long planning took, how long a
+sequence waited before its first pass, and the workers it drives. With several schedulers each
+exports only its own queue and its own workers (a worker is leased by one scheduler), so ``sum()``
+over schedulers counts each once. Every series carries ``model_name``, learnt from the first
+worker's record (``set_model``). The full list with meanings is ``monitoring/README.md``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from fuseserve.types import StepPlan
+
+UNKNOWN_MODEL = "unknown"
+_PASS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+_PLAN_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
+_IDLE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+
+
+class _Budgets:
+    """Collector: ``fuseserve_token_budget{worker}`` read from the scheduler's slots at scrape time
+    (a worker that left has no series)."""
+
+    def __init__(self, metrics: SchedulerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        fam = GaugeMetricFamily(
+            "fuseserve_token_budget",
+            "Configured token budget of one pass on a worker (tokens)",
+            labels=["model_name", "worker"],
+        )
+        scheduler = self.metrics.scheduler
+        if scheduler is not None:
+            for name, slot in list(scheduler.slots.items()):
+                fam.add_metric([self.metrics.model_name, name], slot.token_budget)
+        yield fam
+
+
+class SchedulerMetrics:
+    """The scheduler's metrics; ``port`` (None: not served; 0: a free one, then ``self.port``) starts
+    prometheus-client's HTTP server.
+
+    ``queue_depth``, ``running``, ``workers`` (gauges), ``preemptions`` (counter), ``cpu_per_step``,
+    ``worker_idle`` (histograms, seconds) are children bound to the current ``model_name``.
+    """
+
+    def __init__(self, port: int | None):
+        self.registry = r = CollectorRegistry()
+        self.model_name = UNKNOWN_MODEL
+        self.scheduler = None  # set by ``watch``
+        self._arrivals: dict[int, float] = {}  # seq_id → monotonic time it entered the queue
+        m = ["model_name"]
+        self._waiting = Gauge(
+            "fuseserve_num_requests_waiting",
+            "Sequences waiting for a first pass or after preemption",
+            m,
+            registry=r,
+        )
+        self._running = Gauge("fuseserve_num_requests_running", "Sequences running on workers", m, registry=r)
+        self._workers = Gauge("fuseserve_num_workers", "Live workers this scheduler drives", m, registry=r)
+        self._preemptions = Counter(
+            "fuseserve_num_preemptions", "Sequences preempted (recomputed later)", m, registry=r
+        )
+        self._iteration = Histogram(
+            "fuseserve_iteration_tokens_total",
+            "Tokens per planned pass, per worker (compare with fuseserve_token_budget)",
+            ["model_name", "worker"],
+            buckets=_PASS_BUCKETS,
+            registry=r,
+        )
+        self._plan_seconds = Histogram(
+            "fuseserve_plan_build_seconds",
+            "Seconds to build the plans of one scheduling round (all workers planned together)",
+            m,
+            buckets=_PLAN_BUCKETS,
+            registry=r,
+        )
+        self._queue_time = Histogram(
+            "fuseserve_request_queue_time_seconds",
+            "Seconds a sequence waited in this scheduler before its first pass",
+            m,
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self._cpu = Histogram(
+            "fuseserve_scheduler_cpu_seconds_per_worker_step",
+            "Scheduler process CPU seconds per worker-step (postprocess, plan, gRPC, Redis)",
+            m,
+            registry=r,
+            buckets=(2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05),
+        )
+        self._idle = Histogram(
+            "fuseserve_worker_idle_seconds",
+            "Seconds a worker sat idle between passes, as the workers report it",
+            m,
+            buckets=_IDLE_BUCKETS,
+            registry=r,
+        )
+        self._chosen_budget = Histogram(
+            "fuseserve_iteration_token_budget",
+            "Token budget chosen for each planned pass, per worker: the fixed budget, or sized from "
+            "--target-itl / --target-prefill-rate (compare with fuseserve_iteration_tokens_total)",
+            ["model_name", "worker"],
+            buckets=_PASS_BUCKETS,
+            registry=r,
+        )
+        r.register(_Budgets(self))
+        self._families = (
+            self._waiting,
+            self._running,
+            self._workers,
+            self._preemptions,
+            self._iteration,
+            self._chosen_budget,
+            self._plan_seconds,
+            self._queue_time,
+            self._cpu,
+            self._idle,
+        )
+        self.port: int | None = None
+        if port is not None:
+            server, _ = start_http_server(port, registry=r)
+            self.port = server.server_port
+
+    # ----- label-bound children (service.py uses these names) -----
+    @property
+    def queue_depth(self):
+        return self._waiting.labels(self.model_name)
+
+    @property
+    def running(self):
+        return self._running.labels(self.model_name)
+
+    @property
+    def workers(self):
+        return self._workers.labels(self.model_name)
+
+    @property
+    def preemptions(self):
+        return self._preemptions.labels(self.model_name)
+
+    @property
+    def cpu_per_step(self):
+        return self._cpu.labels(self.model_name)
+
+    @property
+    def worker_idle(self):
+        return self._idle.labels(self.model_name)
+
+    def set_model(self, model_name: str) -> None:
+        """Label every series with ``model_name`` from now on. The series of the previous name are
+        dropped (before the first worker nothing ran: only gauges, which are set again)."""
+        if model_name == self.model_name:
+            return
+        for fam in self._families:
+            fam.clear()
+        self.model_name = model_name
+
+    def watch(self, core) -> None:
+        """Observe the passes ``core`` (an ``EngineCore``) plans, and read its workers' budgets."""
+        self.scheduler = core.scheduler
+        core.on_plans = self.observe_plans
+        core.scheduler.pass_observers.append(self.observe_budget)
+
+    def observe_budget(self, worker: str, token_budget: int, _num_tokens: int) -> None:
+        """The budget chosen for one planned pass (``Scheduler.pass_observers``)."""
+        self._chosen_budget.labels(self.model_name, worker).observe(token_budget)
+
+    def note_arrival(self, seq_id: int) -> None:
+        """A sequence entered the queue now (not for one taken over from a dead scheduler: its
+        queue time, if any, was observed there)."""
+        self._arrivals[seq_id] = time.monotonic()
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence finished (an abort while waiting included): drop its arrival time."""
+        self._arrivals.pop(seq_id, None)
+
+    def observe_plans(self, plans: dict[str, StepPlan], seconds: float) -> None:
+        """One scheduling round: ``plans`` (worker → plan) built in ``seconds``."""
+        now = time.monotonic()
+        self._plan_seconds.labels(self.model_name).observe(seconds)
+        for worker, plan in plans.items():
+            if plan.chunks:
+                self._iteration.labels(self.model_name, worker).observe(plan.num_tokens)
+            for chunk in plan.chunks:
+                arrival = self._arrivals.pop(chunk.seq_id, None)
+                if arrival is not None:
+                    self._queue_time.labels(self.model_name).observe(now - arrival)
+
+    def drop_worker(self, worker: str) -> None:
+        """Forget a departed worker's pass histogram (its history stays in Prometheus)."""
+        for fam in (self._iteration, self._chosen_budget):
+            try:
+                fam.remove(self.model_name, worker)
+            except KeyError:
+                pass
