@@ -147,9 +147,7 @@ class SamplingParams:
     regex: str | None = _param(None, "regular expression the output must match", openai=None, cli=False)
     choice: list[str] | None = _param(None, "the output is one of these strings", openai=None, cli=False)
     grammar: str | None = _param(None, "EBNF grammar the output must derive from", openai=None, cli=False)
-    logit_bias: dict[int, float] = _param(
-        dict, "token id -> bias added to its logit", openai=None, cli=False
-    )
+    logit_bias: dict[int, float] = _param(dict, "token id -> bias added to its logit", openai=None, cli=False)
 
     def __post_init__(self):
         if isinstance(self.json_schema, dict):  # one canonical form (key order kept: it orders fields)
