@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fuseserve.errors import InvalidParameterError
+from fuseserve.errors import InvalidParameterError, InvalidRequestError
 from fuseserve.frontend.encode import PromptEncoder
 from fuseserve.frontend.params import params_kwargs_from_body
 from fuseserve.gateway.constraints import constraint_kwargs
@@ -70,6 +70,10 @@ def sampling_params(
     kwargs.update(constraint_kwargs(req, encoder.vocab_size))
     params = SamplingParams.from_kwargs(**kwargs)
     if params.constrained:  # compiled once and cached: an uncompilable spec is a 400 here
+        if encoder.tokenizer is None:  # the grammar compiler needs the vocabulary's strings
+            raise InvalidRequestError(
+                "structured output needs a tokenizer; start with --tokenizer DIR", param="response_format"
+            )
         grammar_backend(encoder.tokenizer, encoder.vocab_size).check(params)
     return params
 
