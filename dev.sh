@@ -5,6 +5,7 @@
 #   ./dev.sh test [pytest options]                the test suite (CPU, starts its own redis-server)
 #   ./dev.sh test-slow [pytest options]           the tests marked slow (long stack runs; CI runs them too)
 #   ./dev.sh test-containers [pytest options]     images built offline + the compose stack under Podman
+#   ./dev.sh test-structured [pytest options]     structured output + tool calls: unit, pipeline, stack (~7 min)
 #   ./dev.sh test-prometheus [pytest options]     a real Prometheus (Debian's, apt) scrapes a local stack
 #   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
 #   ./dev.sh scale [scale_out options]            scale-out on simulated workers, quick mode (< 3 min)
@@ -51,6 +52,10 @@ case "$cmd" in
   test-containers)
             setup; optional_tools podman mmdebstrap
             exec "$PY" -m pytest -q -m containers tests/deploy "$@" ;;
+  test-structured)
+            setup; optional_tools
+            exec "$PY" -m pytest -q tests/test_structured.py tests/test_structured_pipeline.py \
+              tests/test_stack_structured.py "$@" ;;
   test-prometheus)
             setup; optional_tools prometheus
             exec "$PY" -m pytest -q -m prometheus tests/test_prometheus_scrape.py "$@" ;;
