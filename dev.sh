@@ -54,7 +54,8 @@ case "$cmd" in
             exec "$PY" -m pytest -q -m containers tests/deploy "$@" ;;
   test-structured)
             setup; optional_tools
-            exec "$PY" -m pytest -q tests/test_structured.py tests/test_structured_pipeline.py \
+            exec "$PY" -m pytest -q -m "not containers and not prometheus" \
+              tests/test_structured.py tests/test_structured_pipeline.py \
               tests/test_stack_structured.py "$@" ;;
   test-prometheus)
             setup; optional_tools prometheus
