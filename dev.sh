@@ -3,7 +3,9 @@
 #   ./dev.sh serve [fuseserve serve options]      the local stack, OpenAI-compatible, on SmolLM2
 #   ./dev.sh generate "prompt" [options]          one generation in process (pipeline mode)
 #   ./dev.sh test [pytest options]                the test suite (CPU, starts its own redis-server)
+#   ./dev.sh test-slow [pytest options]           the tests marked slow (long stack runs; CI runs them too)
 #   ./dev.sh test-containers [pytest options]     images built offline + the compose stack under Podman
+#   ./dev.sh test-structured [pytest options]     structured output + tool calls: unit, pipeline, stack (~7 min)
 #   ./dev.sh test-prometheus [pytest options]     a real Prometheus (Debian's, apt) scrapes a local stack
 #   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
 #   ./dev.sh scale [scale_out options]            scale-out on simulated workers, quick mode (< 3 min)
@@ -46,13 +48,19 @@ case "$cmd" in
   serve)    setup; exec "$VENV/bin/fuseserve" serve "$@" ;;
   generate) setup; exec "$VENV/bin/fuseserve" generate "$@" ;;
   test)     setup; optional_tools prometheus; exec "$PY" -m pytest -q "$@" ;;
+  test-slow) setup; exec "$PY" -m pytest -q -m slow "$@" ;;
   test-containers)
             setup; optional_tools podman mmdebstrap
             exec "$PY" -m pytest -q -m containers tests/deploy "$@" ;;
+  test-structured)
+            setup; optional_tools
+            exec "$PY" -m pytest -q -m "not containers and not prometheus" \
+              tests/test_structured.py tests/test_structured_pipeline.py \
+              tests/test_stack_structured.py "$@" ;;
   test-prometheus)
             setup; optional_tools prometheus
             exec "$PY" -m pytest -q -m prometheus tests/test_prometheus_scrape.py "$@" ;;
   bench)    setup; exec "$PY" -m benchmarks.run_bench --quick "$@" ;;
   scale)    setup; exec "$PY" -m benchmarks.scale_out --quick "$@" ;;
-  *) sed -n '2,10p' "$0"; exit 2 ;;
+  *) sed -n '2,11p' "$0"; exit 2 ;;
 esac

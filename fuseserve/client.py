@@ -39,6 +39,20 @@ Prompt = str | list[int]
 def _body(params: SamplingParams, chat: bool) -> dict[str, Any]:
     """OpenAI request fields for validated ``params`` (``fuseserve.frontend.params``' one table)."""
     body: dict[str, Any] = {**body_from_params(params), "return_token_ids": True}
+    constraint = {
+        name: value
+        for name, value in (
+            ("json", params.json_schema),
+            ("regex", params.regex),
+            ("choice", params.choice),
+            ("grammar", params.grammar),
+        )
+        if value is not None
+    }
+    if constraint:  # vLLM's structured_outputs (docs/structured_output.md)
+        body["structured_outputs"] = constraint
+    if params.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in params.logit_bias.items()}
     if chat:
         body["logprobs"] = params.logprobs is not None
         body["top_logprobs"] = params.logprobs if params.logprobs is not None else None

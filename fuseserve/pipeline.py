@@ -35,6 +35,7 @@ from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.sequence import Sequence
 from fuseserve.scheduler.slo_budget import curve_prior
+from fuseserve.structured import grammar_backend
 from fuseserve.types import FinishReason, TokenEvent
 from fuseserve.worker.model_runner import ModelRunner
 from fuseserve.worker.profiler import knee, profile_curve
@@ -227,6 +228,8 @@ class Pipeline:
     def _submit(self, ids: list[int], params: SamplingParams) -> _Request:
         if self._closed:
             raise FuseServeError("pipeline is closed")
+        if params.constrained:  # a grammar the library cannot compile is a 400 here, not a worker error
+            grammar_backend(self.tokenizer, self.runner.vocab_size, self.eos_token_ids).check(params)
         req = _Request(next(self._ids), ids, params, self.tokenizer)
         self._command("add", req)
         return req

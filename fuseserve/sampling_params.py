@@ -7,6 +7,7 @@ call :meth:`SamplingParams.validate` before a request enters the engine; the sam
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -31,6 +32,13 @@ MAX_TOKEN_ID = 2**31
 MIN_PENALTY = 0.01
 MAX_PENALTY = 100.0
 """Upper bound accepted for temperature (OpenAI documents 0..2; larger values are harmless)."""
+
+#: ``logit_bias`` values are clipped to this range by OpenAI; we reject values outside it.
+MAX_LOGIT_BIAS = 100.0
+
+#: Most ``logit_bias`` entries and ``choice`` strings per request.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CHOICES = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -100,6 +108,15 @@ class SamplingParams:
     include_stop_str_in_output: keep the matched stop string at the end of the output text.
     prompt_logprobs: None for none; N (<= 20) for each prompt token after the first its logprob and
         the top-N alternatives (the OpenAI completions API's ``echo`` with ``logprobs``).
+    json_schema: the output is JSON valid under this JSON Schema (a dict, or its JSON text; stored as
+        text). ``{"type": "object"}`` is OpenAI's ``json_object`` mode.
+    regex: the output matches this regular expression (whole output).
+    choice: the output is exactly one of these strings.
+    grammar: the output is derived from this EBNF grammar (xgrammar / GBNF syntax, rule ``root``).
+        At most one of json_schema / regex / choice / grammar is set (``fuseserve/structured.py``
+        compiles them; the front end checks that they compile).
+    logit_bias: token id → bias in [-100, 100] added to that token's logit before sampling
+        (OpenAI semantics; -100 effectively bans the token).
     """
 
     max_new_tokens: int = _param(16, "tokens to generate at most", openai="max_tokens")
@@ -124,6 +141,17 @@ class SamplingParams:
     prompt_logprobs: int | None = _param(
         None, "prompt tokens' logprobs with top-N alternatives (scoring)", openai=None, cli=False
     )
+    json_schema: str | dict | None = _param(
+        None, "JSON Schema the output must satisfy", openai=None, cli=False
+    )
+    regex: str | None = _param(None, "regular expression the output must match", openai=None, cli=False)
+    choice: list[str] | None = _param(None, "the output is one of these strings", openai=None, cli=False)
+    grammar: str | None = _param(None, "EBNF grammar the output must derive from", openai=None, cli=False)
+    logit_bias: dict[int, float] = _param(dict, "token id -> bias added to its logit", openai=None, cli=False)
+
+    def __post_init__(self):
+        if isinstance(self.json_schema, dict):  # one canonical form (key order kept: it orders fields)
+            self.json_schema = json.dumps(self.json_schema)
 
     # ------------------------------------------------------------------ derived properties
     @property
@@ -136,6 +164,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when any repetition / presence / frequency penalty changes the logits."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """True when a grammar (json_schema / regex / choice / grammar) constrains the output."""
+        return any(getattr(self, k) is not None for k in ("json_schema", "regex", "choice", "grammar"))
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> SamplingParams:
@@ -207,14 +240,54 @@ class SamplingParams:
             raise InvalidParameterError(
                 "include_stop_str_in_output", self.include_stop_str_in_output, "true or false"
             )
+        self._validate_constraints()
         return self
+
+    def _validate_constraints(self) -> None:
+        """Types and ranges of the structured-output fields and ``logit_bias`` (not compilation)."""
+        set_ = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(set_) > 1:
+            raise InvalidRequestError(
+                f"at most one of json_schema, regex, choice, grammar may be set; got {', '.join(set_)}",
+                param=set_[1],
+            )
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema) if isinstance(self.json_schema, str) else None
+            except ValueError as exc:
+                raise InvalidParameterError("json_schema", "<text>", f"a JSON object ({exc})") from exc
+            if not isinstance(schema, dict):
+                raise InvalidParameterError("json_schema", "<value>", "a JSON Schema object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or not _is_utf8(value)):
+                raise InvalidParameterError(name, value, "a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not 0 < len(self.choice) <= MAX_CHOICES
+            or not all(isinstance(c, str) and c and _is_utf8(c) for c in self.choice)
+        ):
+            raise InvalidParameterError("choice", self.choice, f"1 to {MAX_CHOICES} non-empty strings")
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidParameterError(
+                "logit_bias", bias, f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} entries"
+            )
+        for token, value in bias.items():
+            if not _is_int(token) or not 0 <= token < MAX_TOKEN_ID:
+                raise InvalidParameterError("logit_bias", token, f"token ids in [0, {MAX_TOKEN_ID}) as keys")
+            if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise InvalidParameterError(
+                    "logit_bias", value, f"bias values in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                )
 
     # ------------------------------------------------------------------ construction / transport
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
         """Build from keyword arguments, then validate.
 
-        ``stop`` may be a single string; ``stop`` / ``stop_token_ids`` may be None (= empty).
+        ``stop`` may be a single string; ``stop`` / ``stop_token_ids`` / ``logit_bias`` may be None
+        (= empty); ``logit_bias`` keys may be decimal strings (JSON objects).
 
         Raises:
             InvalidRequestError: a keyword is not a SamplingParams field (``param`` names it).
@@ -233,6 +306,15 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             if name in kwargs and (kwargs[name] is None or isinstance(kwargs[name], tuple)):
                 kwargs[name] = list(kwargs[name] or [])
+        if kwargs.get("logit_bias") is None and "logit_bias" in kwargs:
+            kwargs["logit_bias"] = {}
+        elif isinstance(kwargs.get("logit_bias"), dict):  # JSON (OpenAI, Redis) has string keys
+            kwargs["logit_bias"] = {
+                int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v
+                for k, v in kwargs["logit_bias"].items()
+            }
+        if isinstance(kwargs.get("choice"), tuple):
+            kwargs["choice"] = list(kwargs["choice"])
         params = cls(**kwargs)
         return params.validate()
 

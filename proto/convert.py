@@ -39,7 +39,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         if _is_map(fd):
             getattr(msg, name).update(value or {})
         elif fd.is_repeated:
-            getattr(msg, name).extend(value)
+            getattr(msg, name).extend(value or [])
         elif value is not None:
             setattr(msg, name, value)
     return msg
@@ -55,11 +55,12 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     Built with ``SamplingParams(**fields)``; not re-validated (the gateway validated it already).
     """
     fields: dict[str, object] = {}
+    nullable = {f.name for f in dataclasses.fields(SamplingParams) if f.default is None}
     for name, fd in _param_fields():
         if _is_map(fd):
             fields[name] = dict(getattr(msg, name))
-        elif fd.is_repeated:
-            fields[name] = list(getattr(msg, name))
+        elif fd.is_repeated:  # empty means None where None is the default (``choice``)
+            fields[name] = list(getattr(msg, name)) or (None if name in nullable else [])
         elif fd.has_presence:
             fields[name] = getattr(msg, name) if msg.HasField(name) else None
         else:

@@ -38,6 +38,13 @@ def local_stack(
         yield server.stack, server.url
 
 
+def recovery_stack():
+    """``local_stack`` in fp32 with a small budget and KV pool, for tests that kill a worker: a
+    recompute on the other worker must reproduce greedy tokens exactly (bf16 matmuls may round
+    differently for another batch shape)."""
+    return local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32")
+
+
 def openai_client(base: str, **kwargs):
     """The official ``openai`` client pointed at the stack (``api_key`` for a stack that needs one)."""
     import openai

@@ -9,6 +9,7 @@ stops at max_tokens ("length"); so expected texts are the prompt's own decode.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -245,6 +246,32 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    # structured output and tools (docs/structured_output.md): rejected before the scheduler sees them
+    ({"messages": [{"role": "user", "content": "x"}], "guided_regex": "a(b"}, "regex"),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "nonsense"}},
+            },
+        },
+        "json_schema",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+        "response_format",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 1}}, "logit_bias"),
 ]
 
 
@@ -252,6 +279,23 @@ BAD_CHATS = [
 def test_bad_chat_requests(http, body, param):
     assert_error(http.post("/v1/chat/completions", json={"model": MODEL, **body}), 400, param)
     assert_works(http)
+
+
+def test_constraints_reach_the_scheduler(http, fake):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    r = post(
+        http,
+        "/v1/chat/completions",
+        messages=[{"role": "user", "content": "x"}],
+        logit_bias={"5": -100},
+        **body,
+    )
+    assert r.status_code == 200, r.text
+    params = fake.requests[-1].params
+    assert json.loads(params["json_schema"]) == schema and params["logit_bias"] == {"5": -100}
+    post(http, "/v1/completions", prompt="x", structured_outputs={"choice": ["a", "b"]})
+    assert fake.requests[-1].params["choice"] == ["a", "b"]
 
 
 def test_request_field_policy(http):
@@ -276,7 +320,7 @@ def test_request_field_policy(http):
     assert r.headers["x-fuseserve-ignored-fields"] == "another,frobnicate"
     r = post(http, "/v1/completions", prompt="x", max_tokens=2, stream=True, frobnicate=1)
     assert r.headers["x-fuseserve-ignored-fields"] == "frobnicate"
-    for name, value in (("response_format", {"type": "json_object"}), ("logit_bias", {"1": 2})):
+    for name, value in (("reasoning_effort", "low"), ("audio", {"voice": "x"})):
         assert_error(post(http, "/v1/chat/completions", messages=messages, **{name: value}), 400, name, name)
 
 

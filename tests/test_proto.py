@@ -39,6 +39,12 @@ def _full_params() -> SamplingParams:
         logprobs=5,
         include_stop_str_in_output=True,
         prompt_logprobs=3,
+        # the constraints exclude each other in a validated request; the wire carries each of them
+        json_schema={"type": "object"},
+        regex="[a-z]+",
+        choice=["yes", "no"],
+        grammar='root ::= "a"',
+        logit_bias={5: -1.5, 49152: 100.0},
     )
 
 

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from stack_harness import MODEL, local_stack, openai_client
+from stack_harness import MODEL, openai_client, recovery_stack
 
 PROMPTS = [f"Tell me about the number {i}." for i in range(4)]
 NEW_TOKENS = 40
@@ -20,9 +20,7 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    # fp32: recompute on another worker must reproduce the tokens exactly (bf16 matmuls may round
-    # differently for another batch shape)
-    with local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32") as s:
+    with recovery_stack() as s:
         yield s
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from fuseserve.errors import ContextLengthExceededError, InvalidParameterError, InvalidRequestError
 from fuseserve.sampling_params import check_text
+from fuseserve.tools import check_tool_messages, render_messages, template_supports_tools
 
 MAX_PROMPTS = 256
 """Largest number of prompts in one batch (a completions request or one pipeline call)."""
@@ -98,14 +99,17 @@ class PromptEncoder:
         """Token ids of each prompt of ``prompts`` (see :func:`as_batch`)."""
         return [self.encode(p) for p in as_batch(prompts)]
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template, with the generation prompt.
 
         ``messages``: ``[{"role", "content"}, ...]``; content is a string, None, or a list of
         ``{"type": "text", "text"}`` parts (joined); role "developer" is rendered as "system".
+        Assistant messages may carry OpenAI ``tool_calls`` and ``tool`` messages a ``tool_call_id``.
+        ``tools``: OpenAI tool dicts to render (``fuseserve/tools.py``: through the template when it
+        reads ``tools``, else as a generic system-prompt block).
         Raises ``InvalidRequestError`` (param "messages") when there is no chat template or
-        tokenizer, a message is malformed or not valid text, the template rejects the messages, or
-        they render to nothing.
+        tokenizer, a message is malformed or not valid text, a tool exchange is malformed, the
+        template rejects the messages, or they render to nothing.
         """
         self._need_tokenizer("a chat request", "messages")
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -118,9 +122,13 @@ class PromptEncoder:
                 "messages must be a non-empty list of {'role': ..., 'content': ...} dicts", "messages"
             )
         turns = [_turn(m) for m in messages]
+        check_tool_messages(turns)
+        extra: dict[str, Any] = {}
+        if tools or any(t.get("tool_calls") or t["role"] == "tool" for t in turns):
+            turns, extra = render_messages(turns, tools, template_supports_tools(template))
         try:
             text = self.tokenizer.apply_chat_template(
-                turns, chat_template=template, add_generation_prompt=True, tokenize=False
+                turns, chat_template=template, add_generation_prompt=True, tokenize=False, **extra
             )
         except Exception as e:  # jinja raises on roles or orders the template does not accept
             raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from e

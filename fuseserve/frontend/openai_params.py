@@ -5,7 +5,8 @@ mapped here by hand is only what differs per endpoint or per sequence: ``max_tok
 rest of the context, as vLLM; chat's ``max_completion_tokens``; 0 with ``echo``: the prompt is only
 scored), ``logprobs`` (an int on completions; a bool plus ``top_logprobs`` on chat; with ``echo``
 also ``prompt_logprobs``), ``seed`` (sequence ``i`` of ``n`` uses
-``seed + i``), and checks that need the model (``stop_token_ids`` inside the vocabulary). The request
+``seed + i``), the output constraints and ``logit_bias`` (``fuseserve.gateway.constraints``; a
+constraint must compile), and checks that need the model (``stop_token_ids`` inside the vocabulary). The request
 object is read by attribute (the gateway's pydantic models, or anything with the same names).
 """
 
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fuseserve.errors import InvalidParameterError
+from fuseserve.errors import InvalidParameterError, InvalidRequestError
 from fuseserve.frontend.encode import PromptEncoder
 from fuseserve.frontend.params import params_kwargs_from_body
+from fuseserve.gateway.constraints import constraint_kwargs
 from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams, check_text
+from fuseserve.structured import grammar_backend
 
 MAX_N = 16
 """Largest ``n`` (sequences per prompt) a request may ask for."""
@@ -64,7 +67,15 @@ def sampling_params(
         kwargs["prompt_logprobs"] = kwargs["logprobs"]  # echo + logprobs: the prompt's logprobs too
     if kwargs.get("seed") is not None:
         kwargs["seed"] += index
-    return SamplingParams.from_kwargs(**kwargs)
+    kwargs.update(constraint_kwargs(req, encoder.vocab_size))
+    params = SamplingParams.from_kwargs(**kwargs)
+    if params.constrained:  # compiled once and cached: an uncompilable spec is a 400 here
+        if encoder.tokenizer is None:  # the grammar compiler needs the vocabulary's strings
+            raise InvalidRequestError(
+                "structured output needs a tokenizer; start with --tokenizer DIR", param="response_format"
+            )
+        grammar_backend(encoder.tokenizer, encoder.vocab_size).check(params)
+    return params
 
 
 def _check_wire_values(req: Any, vocab_size: int) -> None:

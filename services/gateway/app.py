@@ -41,6 +41,7 @@ from fuseserve.frontend.openai_params import check_n, sampling_params
 from fuseserve.gateway import utilities
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.auth import ApiKeys
+from fuseserve.gateway.constraints import rendered_tools, tool_parser_factory
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
     RequestTooLargeError,
@@ -236,7 +237,8 @@ class Gateway:
         if echo and req.stream:
             raise InvalidRequestError("echo is not supported with stream", param="echo")
         if chat:
-            prompts = [self.encoder.chat([m.model_dump(exclude_none=True) for m in req.messages])]
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            prompts = [self.encoder.chat(messages, rendered_tools(req))]
         else:
             prompts = self.encoder.encode_batch(req.prompt)
         lens = [len(ids) for ids in prompts]
@@ -248,8 +250,9 @@ class Gateway:
                 plans.append((p, ids, sampling_params(req, self.encoder, len(ids), j, chat, self.defaults)))
         await self.admission.check()
         seq_ids = await self.router.next_seq_ids(len(plans))
+        new_parser = tool_parser_factory(req) if chat else None  # tool calls, per choice
         seqs = [
-            SequenceState(choice, seq_id, p, ids, params, self.tokenizer)
+            SequenceState(choice, seq_id, p, ids, params, self.tokenizer, new_parser and new_parser())
             for choice, ((p, ids, params), seq_id) in enumerate(zip(plans, seq_ids, strict=True))
         ]
         if echo:

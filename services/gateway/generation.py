@@ -28,10 +28,20 @@ class SequenceState(OutputState):
     prompt_index: which prompt of the request it continues (``n`` sequences share one).
     last_token_at: monotonic seconds of its last token (inter-token latency metric).
     echo / echo_only: see ``render.py`` (completions' ``echo``).
+    text_parser: see ``OutputState`` (chat with tools: a ``fuseserve.tools.ToolCallParser``).
     """
 
-    def __init__(self, choice: int, seq_id: int, prompt_index: int, prompt_ids: list[int], params, tokenizer):
-        super().__init__(prompt_ids, params, tokenizer)
+    def __init__(
+        self,
+        choice: int,
+        seq_id: int,
+        prompt_index: int,
+        prompt_ids: list[int],
+        params,
+        tokenizer,
+        text_parser=None,
+    ):
+        super().__init__(prompt_ids, params, tokenizer, text_parser)
         self.choice = choice
         self.seq_id = seq_id
         self.prompt_index = prompt_index

@@ -4,7 +4,8 @@ Values validate in strict mode (``"5"`` is not an integer; ``true`` is not a num
 fields are not written here: they come from ``SamplingParams``' own table
 (``fuseserve.frontend.params.openai_model_fields``), so a new sampling parameter appears in both
 bodies by itself. Fields beyond OpenAI's follow vLLM (``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``include_stop_str_in_output``), plus the
+``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``include_stop_str_in_output``,
+``structured_outputs`` / ``guided_*`` for structured output, see ``constraints.py``), plus the
 fuseserve extension ``return_token_ids`` (each choice then carries ``token_ids`` and, with logprobs,
 ``top_logprob_ids``; see ``render.py``), and vLLM's ``cache_salt`` (requests share cached prefix
 blocks only with requests of the same salt).
@@ -13,7 +14,7 @@ Request fields, vLLM's policy (:func:`field_policy`):
 
 - fields that change nothing in the output are accepted and ignored: ``user``, ``metadata``,
   ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
-  ``stream_options.include_obfuscation``, and ``parallel_tool_calls`` when no tools are given;
+  ``stream_options.include_obfuscation``;
 - a known field that would change the output and is not implemented (``UNIMPLEMENTED``) is a 400
   naming it;
 - any other unknown top-level field is accepted, logged once per name at warning level, and named in
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from fuseserve.errors import InvalidRequestError
 from fuseserve.frontend.params import openai_model_fields
+from fuseserve.gateway.constraints import ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +41,6 @@ TokenIds = list[int]
 UNIMPLEMENTED: dict[str, str] = {
     "best_of": "best_of is not supported; use n",
     "suffix": "suffix (insertion) is not supported",
-    "logit_bias": "logit_bias is not supported yet",
-    "response_format": "response_format (structured output) is not supported yet",
-    "structured_outputs": "structured output is not supported yet",
-    "guided_json": "structured output is not supported yet",
-    "guided_regex": "structured output is not supported yet",
-    "guided_choice": "structured output is not supported yet",
-    "guided_grammar": "structured output is not supported yet",
-    "tools": "tool calls are not supported yet",
-    "tool_choice": "tool calls are not supported yet",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
     "audio": "audio output is not supported",
@@ -93,6 +86,14 @@ class _RequestFields(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # fuseserve extension: token ids per choice
+    # output constraints and logit_bias (constraints.py maps them onto SamplingParams)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted, change nothing in the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -124,6 +125,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
 
 
 class ChatCompletionRequest(_RequestFields):
@@ -133,7 +135,9 @@ class ChatCompletionRequest(_RequestFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    parallel_tool_calls: bool | None = None  # no-op without tools
+    tools: list[Tool] | None = Field(default=None, min_length=1)  # OpenAI rejects []
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Strict):

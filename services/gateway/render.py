@@ -9,6 +9,10 @@ with the prompt's tokens (the first one's logprob is null: nothing precedes it).
 ``max_tokens`` 0 only the prompt is returned (finish "length", no completion tokens): scoring, as
 lm-eval's loglikelihood requests use it.
 
+Chat requests with tools: each choice's ``OutputState.text_parser`` is a
+``fuseserve.tools.ToolCallParser``; parsed calls become ``message.tool_calls`` (streamed:
+``delta.tool_calls`` pieces) and ``finish_reason`` ``"tool_calls"``.
+
 A streamed error (the scheduler rejected a sequence after the 200 was sent) is one event
 ``data: {"error": {"message", "type", "param", "code", "status"}}`` (``status``: the HTTP status
 the request would have had), then ``data: [DONE]``.
@@ -112,12 +116,8 @@ class Renderer:
                 entries = self._prompt_entries(s) + ([] if s.echo_only else s.visible)
             lp = self.logprobs(s.choice, entries) if s.params.logprobs is not None else None
             if self.chat:
-                choice = {
-                    "index": s.choice,
-                    "message": {"role": "assistant", "content": s.text},
-                    "logprobs": lp,
-                    "finish_reason": s.finish_reason,
-                }
+                choice = {"index": s.choice, "message": self._message(s), "logprobs": lp}
+                choice["finish_reason"] = self._finish_reason(s)
             else:
                 text = s.text if s.echo is None else s.echo + ("" if s.echo_only else s.text)
                 reason = "length" if s.echo_only else s.finish_reason
@@ -139,6 +139,24 @@ class Renderer:
             "choices": choices,
             "usage": self.usage(seqs),
         }
+
+    @staticmethod
+    def _message(s: SequenceState) -> dict:
+        """The assistant message of a finished chat choice, with the parsed ``tool_calls`` when the
+        request has tools (``s.text`` is then the content around the calls)."""
+        parser = s.text_parser
+        if parser is None:
+            return {"role": "assistant", "content": s.text}
+        message: dict = {"role": "assistant", "content": s.text or None}
+        if parser.calls:
+            message["tool_calls"] = parser.calls
+        return message
+
+    @staticmethod
+    def _finish_reason(s: SequenceState) -> str | None:
+        """``tool_calls`` when a parsed call ended the output, else the sequence's own reason."""
+        calls = s.text_parser is not None and s.text_parser.calls
+        return "tool_calls" if calls and s.finish_reason == "stop" else s.finish_reason
 
     # ------------------------------------------------------------------ streaming
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
@@ -175,12 +193,14 @@ class Renderer:
         choices = []
         for choice, d in sorted(deltas.items()):
             seq = seqs[choice]
-            if not d.text and not d.finished and not d.logprobs:
+            if not d.text and not d.finished and not d.logprobs and not d.tool_calls:
                 continue
             lp = self.logprobs(choice, d.logprobs) if seq.params.logprobs is not None and d.logprobs else None
-            reason = seq.finish_reason if d.finished else None
+            reason = self._finish_reason(seq) if d.finished else None
             if self.chat:
-                delta = {"content": d.text} if d.text or not d.finished else {}
+                delta = {"content": d.text} if d.text or not (d.finished or d.tool_calls) else {}
+                if d.tool_calls:
+                    delta["tool_calls"] = [c.to_openai() for c in d.tool_calls]
                 choices.append({"index": choice, "delta": delta, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": choice, "text": d.text, "logprobs": lp, "finish_reason": reason})

@@ -14,6 +14,7 @@ import torch
 
 from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import KVCacheTooSmallError
+from fuseserve.structured import model_grammar_backend
 from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker import parallel
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
@@ -82,7 +83,11 @@ class ModelRunner:
         self._score_rows: list[ScoreRows] = []  # prepare → run_pass: rows to score this pass
         self._scored: list[PromptLogprobs] = []  # run_pass → step: prompt logprobs of this pass
         self.vocab_size = args.vocab_size
-        self.sampler = Sampler(eos_token_ids, self.vocab_size)
+        self.sampler = Sampler(
+            eos_token_ids,
+            self.vocab_size,
+            lambda: model_grammar_backend(model_path, self.vocab_size, eos_token_ids),
+        )
         self.info = WorkerInfo(
             self.block_size,
             num_blocks,

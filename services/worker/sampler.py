@@ -9,6 +9,9 @@ Processing order (each step vectorised over the batch; fp32 throughout):
 1. **EOS ban**: the EOS ids and the row's ``stop_token_ids`` get ``-inf`` while
    ``len(output) < min_new_tokens``; with ``ignore_eos`` the EOS ids are banned always. Ids are
    checked against the full logits width (it may exceed the tokenizer's vocab).
+   Then **logit_bias** (OpenAI: added to the named tokens' logits) and the **grammar mask** of
+   constrained rows (``fuseserve/structured.py``: ``-inf`` where the row's matcher forbids a token;
+   only constrained rows are filled and masked).
 2. **Repetition penalty** (``transformers`` / CTRL semantics, Keskar et al. 2019) over prompt +
    output tokens: a positive logit is divided by the penalty, a negative one multiplied.
 3. **Presence / frequency penalties** (OpenAI semantics) over output tokens only:
@@ -29,11 +32,13 @@ token's, plus the top-N when ``params.logprobs = N > 0``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.structured import GrammarBackend, SeqMatcher, apply_grammar_masks
 from fuseserve.types import TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -50,12 +55,15 @@ class SeqSamplingState:
     prompt_token_ids: the prompt (used by the repetition penalty).
     output_token_ids: tokens generated so far; the worker appends each sampled token.
     generator: the request's own random generator when ``params.seed`` is set, else None.
+    matcher: the grammar matcher of a constrained request (built by the sampler on first use; it
+        follows ``output_token_ids``, so a recompute that rebuilds them rebuilds it), else None.
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    matcher: SeqMatcher | None = None
     _prompt_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -132,6 +140,24 @@ def apply_eos_ban(logits: torch.Tensor, states: list[SeqSamplingState], eos_toke
         idx_r = torch.tensor(rows, dtype=torch.long, device=logits.device)
         idx_c = torch.tensor(cols, dtype=torch.long, device=logits.device)
         logits[idx_r, idx_c] = _NEG_INF
+
+
+def apply_logit_bias(logits: torch.Tensor, states: list[SeqSamplingState]) -> None:
+    """In place on ``logits [S, V]``: add each row's ``logit_bias`` (ids outside ``[0, V)`` skipped)."""
+    width = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, st in enumerate(states):
+        for t, b in st.params.logit_bias.items():
+            if 0 <= t < width:
+                rows.append(i)
+                cols.append(t)
+                vals.append(b)
+    if rows:
+        dev = logits.device
+        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
@@ -245,6 +271,7 @@ def process_logits(
     """
     out = logits.to(torch.float32, copy=True)
     apply_eos_ban(out, states, list(eos_token_ids))
+    apply_logit_bias(out, states)
     out = apply_penalties(out, states)
     return apply_warpers(out, states)
 
@@ -279,11 +306,20 @@ class Sampler:
     eos_token_ids: the model's end-of-sequence ids (banned per ``min_new_tokens`` / ``ignore_eos``).
     vocab_size: number of ids the model can emit; the logits width must be at least this (it may
         be larger, e.g. padded lm_head; EOS ids are still checked over the full width).
+    grammar_backend: returns the model's ``GrammarBackend``; called once, on the first constrained
+        request (None: constrained requests raise ``ValueError``).
     """
 
-    def __init__(self, eos_token_ids: list[int], vocab_size: int):
+    def __init__(
+        self,
+        eos_token_ids: list[int],
+        vocab_size: int,
+        grammar_backend: Callable[[], GrammarBackend] | None = None,
+    ):
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.vocab_size = int(vocab_size)
+        self._grammar_backend = grammar_backend
+        self._grammars: GrammarBackend | None = None
 
     def __call__(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> SamplerOutput:
         """Sample ``[S]`` token ids from ``logits [S, V]`` (any float dtype), rows aligned with ``states``.
@@ -298,12 +334,35 @@ class Sampler:
         raw = logits.to(torch.float32)
         work = raw.clone()
         apply_eos_ban(work, states, self.eos_token_ids)
+        apply_logit_bias(work, states)
+        self._apply_grammars(work, states)
         if all(st.params.greedy and not st.params.has_penalties for st in states):
             token_ids = work.argmax(dim=-1)  # fast path
         else:
             token_ids = self._sample(work, states)
         logprobs, top_logprobs = _logprobs(raw, token_ids, states)
         return SamplerOutput(token_ids, logprobs, top_logprobs)
+
+    def _apply_grammars(self, work: torch.Tensor, states: list[SeqSamplingState]) -> None:
+        """Build missing matchers of constrained rows, then mask ``work [S, V]`` in place."""
+        if not any(st.params.constrained for st in states):
+            return
+        for st in states:
+            if st.params.constrained and st.matcher is None:
+                st.matcher = self._backend().matcher(st.params)
+        apply_grammar_masks(
+            work,
+            [st.matcher for st in states],
+            [st.output_token_ids for st in states],
+            self._backend().vocab_size,
+        )
+
+    def _backend(self) -> GrammarBackend:
+        if self._grammars is None:
+            if self._grammar_backend is None:
+                raise ValueError("a constrained request reached a sampler without a grammar backend")
+            self._grammars = self._grammar_backend()
+        return self._grammars
 
     @staticmethod
     def _sample(work: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
