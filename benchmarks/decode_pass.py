@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from fuseserve.config import EngineConfig
 from fuseserve.model_source import resolve_model
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.block_accounting import BlockAccount, assign_block_ids
 from fuseserve.types import SeqChunk, StepPlan
 from fuseserve.worker.attention import get_backend
 from fuseserve.worker.model_runner import ModelRunner
@@ -53,18 +54,22 @@ def measure(model: str, dtype: str, num_seqs: int, context: int, passes: int) ->
     params = SamplingParams(temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     step = 0
+    blocks = BlockAccount(runner.info.num_blocks, runner.info.block_size, False)  # the scheduler's allocator
     for sid in range(num_seqs):  # prefill, one sequence per pass
         ids = torch.randint(0, runner.vocab_size, (context,), generator=gen).tolist()
         chunk = SeqChunk(sid, 0, context, ids, sample=True, params=params, prompt_len=context)
-        runner.step(StepPlan(step, [chunk]))
+        plan = StepPlan(step, [chunk])
+        assign_block_ids(blocks, plan)
+        runner.step(plan)
         step += 1
     pos = [context] * num_seqs
 
     def decode() -> float:
         nonlocal step
-        chunks = [SeqChunk(s, pos[s], 1, [], sample=True) for s in range(num_seqs)]
+        plan = StepPlan(step, [SeqChunk(s, pos[s], 1, [], sample=True) for s in range(num_seqs)])
+        assign_block_ids(blocks, plan)
         t0 = time.perf_counter()
-        runner.step(StepPlan(step, chunks))
+        runner.step(plan)
         elapsed = time.perf_counter() - t0
         step += 1
         for s in range(num_seqs):

@@ -34,6 +34,7 @@ import torch
 from fuseserve.config import EngineConfig
 from fuseserve.model_source import resolve_model
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.block_accounting import BlockAccount, assign_block_ids
 from fuseserve.types import SeqChunk, StepPlan
 from fuseserve.worker.latency_model import CPU_PEAK_FLOPS, LatencyModel
 from fuseserve.worker.model_runner import ModelRunner
@@ -46,14 +47,37 @@ def timed(runner: ModelRunner, plan: StepPlan, repeats: int, setup=None) -> floa
     """Best wall seconds of ``runner.step(plan)`` over ``repeats`` runs; ``setup()`` runs before each."""
     best = float("inf")
     for _ in range(repeats):
-        runner.free(list(runner.seqs))
+        free_all(runner)
         if setup is not None:
             setup()
+        assign_block_ids(_blocks(runner), plan)
         t0 = time.perf_counter()
         runner.step(plan)
         best = min(best, time.perf_counter() - t0)
-    runner.free(list(runner.seqs))
+    free_all(runner)
     return best
+
+
+_ACCOUNTS: dict[int, BlockAccount] = {}
+
+
+def _blocks(runner: ModelRunner) -> BlockAccount:
+    """The block ids of plans sent straight to ``runner`` (the scheduler's allocator, no sharing)."""
+    if id(runner) not in _ACCOUNTS:
+        _ACCOUNTS[id(runner)] = BlockAccount(runner.info.num_blocks, runner.info.block_size, False)
+    return _ACCOUNTS[id(runner)]
+
+
+def step(runner: ModelRunner, plan: StepPlan) -> None:
+    """Run ``plan`` on ``runner`` with block ids assigned."""
+    assign_block_ids(_blocks(runner), plan)
+    runner.step(plan)
+
+
+def free_all(runner: ModelRunner) -> None:
+    for sid in list(runner.seqs):
+        _blocks(runner).release(sid)
+    runner.free(list(runner.seqs))
 
 
 def prefill(seq_id: int, start: int, n: int) -> SeqChunk:
@@ -110,7 +134,7 @@ def measure(threads: int, repeats: int) -> dict:
 
         def fill(c=c):
             if c:
-                runner.step(StepPlan(0, [prefill(0, 0, c)]))
+                step(runner, StepPlan(0, [prefill(0, 0, c)]))
 
         plan = StepPlan(1, [prefill(0, c, 128)])
         point(f"chunk 128 @ ctx {c}", plan, timed(runner, plan, max(2, repeats // 2), setup=fill))
@@ -118,7 +142,7 @@ def measure(threads: int, repeats: int) -> dict:
         seqs = list(range(16))
 
         def fill_all(c=c, seqs=seqs):
-            runner.step(StepPlan(0, [prefill(s, 0, c) for s in seqs]))
+            step(runner, StepPlan(0, [prefill(s, 0, c) for s in seqs]))
 
         plan = StepPlan(1, [SeqChunk(s, c, 1, [], sample=True) for s in seqs])
         point(f"decode 16 seqs @ ctx {c}", plan, timed(runner, plan, max(2, repeats // 2), setup=fill_all))

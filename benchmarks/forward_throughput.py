@@ -23,6 +23,7 @@ def main() -> None:
     from fuseserve.config import EngineConfig
     from fuseserve.model_source import resolve_model
     from fuseserve.sampling_params import SamplingParams
+    from fuseserve.scheduler.block_accounting import BlockAccount, assign_block_ids
     from fuseserve.types import SeqChunk, StepPlan
     from fuseserve.worker.model_runner import ModelRunner
 
@@ -38,8 +39,10 @@ def main() -> None:
         ids = torch.randint(0, runner.vocab_size, (n,)).tolist()
         ours, theirs = float("inf"), float("inf")
         for _ in range(a.repeats + 1):  # the first round warms up
+            plan = StepPlan(0, [SeqChunk(0, 0, n, ids, sample=True, params=params, prompt_len=n)])
+            assign_block_ids(BlockAccount(runner.info.num_blocks, runner.info.block_size, False), plan)
             t0 = time.perf_counter()
-            runner.run_pass(StepPlan(0, [SeqChunk(0, 0, n, ids, sample=True, params=params, prompt_len=n)]))
+            runner.run_pass(plan)
             ours = min(ours, time.perf_counter() - t0)
             runner.free([0])
             with torch.inference_mode():

@@ -193,6 +193,72 @@ def make_requests(
     return requests
 
 
+def shared_prefix_requests(
+    tokenizer: Tokenizer,
+    num_requests: int,
+    system_len: int = 1024,
+    question_mean: float = 24,
+    output_mean: float = 16,
+    seed: int = 0,
+    num_prefixes: int = 1,
+    corpus: str | None = None,
+) -> list[BenchRequest]:
+    """Shared-prefix workload (prefix caching): a ``system_len``-token system prompt, then a short
+    distinct question (normal length, std 0.3 x mean); request ``i`` uses system prompt
+    ``i % num_prefixes`` (several tenants or agents, each with its own prompt).
+
+    Prompts are corpus slices (``make_requests``): system prompts at fixed distinct offsets,
+    questions at random ones.
+    """
+    ids = _encode(tokenizer, corpus if corpus is not None else build_corpus())
+    tiled = ids * (1 + -(-(system_len * num_prefixes + 4096) // len(ids)))
+    systems = [tiled[k * system_len : (k + 1) * system_len] for k in range(num_prefixes)]
+    questions = make_requests(tokenizer, num_requests, question_mean, output_mean, seed, corpus=corpus)
+    out = []
+    for i, q in enumerate(questions):
+        prompt = systems[i % num_prefixes] + q.prompt_token_ids
+        out.append(BenchRequest(prompt, tokenizer.decode(prompt), q.max_new_tokens))
+    return out
+
+
+def multi_turn_requests(
+    tokenizer: Tokenizer,
+    num_conversations: int,
+    num_turns: int,
+    system_len: int = 256,
+    turn_mean: float = 48,
+    output_len: int = 32,
+    seed: int = 0,
+    corpus: str | None = None,
+) -> list[BenchRequest]:
+    """Multi-turn chat: each turn resends the whole conversation so far (system prompt, every earlier
+    user message and reply) plus a new user message; ordered turn by turn (all first turns, then all
+    second turns, ...), so with one client per conversation a turn is sent after the one before it.
+
+    The replies in later prompts are corpus text of ``output_len`` tokens, not the model's own output
+    (requests are made before the run): a turn can reuse the cached KV of the previous turn's prompt,
+    not of its reply.
+    """
+    ids = _encode(tokenizer, corpus if corpus is not None else build_corpus())
+    rng = np.random.default_rng(seed)
+    tiled = ids * (1 + -(-(system_len + num_turns * (int(turn_mean * 2) + output_len)) // len(ids)))
+    convs = []
+    for _ in range(num_conversations):
+        off = int(rng.integers(0, len(ids)))
+        convs.append(list(tiled[off : off + system_len]))
+    out = []
+    for _turn in range(num_turns):
+        for history in convs:
+            n = int(sample_lengths(rng, 1, turn_mean, 0.3, None)[0])
+            off = int(rng.integers(0, len(ids)))
+            history.extend(tiled[off : off + n])  # the user's message
+            prompt = list(history)
+            out.append(BenchRequest(prompt, tokenizer.decode(prompt), output_len))
+            off = int(rng.integers(0, len(ids)))
+            history.extend(tiled[off : off + output_len])  # stands in for the reply
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # Closed-loop driver
 # --------------------------------------------------------------------------------------------------

@@ -151,6 +151,10 @@ class EngineConfig:
     attention_backend: one of ``ATTENTION_BACKENDS`` (the workers' attention kernels).
     overlap: build and send each worker's next plan while its current pass runs (at most one plan
         queued per worker); False runs one plan at a time per worker.
+    enable_prefix_caching: reuse the K/V of full blocks already computed for an equal prefix
+        (``services/scheduler/block_accounting.py``); ``--no-prefix-caching`` turns it off.
+    prefix_aware_placement: place a new sequence on the worker holding most of its prefix, among
+        the workers whose load is near the least (``Scheduler.place``); False: by load only.
     target_itl: inter-token latency to keep, seconds; with it (or ``target_prefill_rate``) each
         SplitFuse pass is sized from the measured latency curve (``fuseserve.scheduler.slo_budget``).
         None (and no prefill-rate target): the fixed ``token_budget``.
@@ -169,6 +173,8 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    prefix_aware_placement: bool = True
     target_itl: float | None = None
     target_prefill_rate: float | None = None
 

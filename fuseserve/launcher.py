@@ -249,6 +249,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         url = stack.redis.address  # the password travels in the environment (Stack.spawn)
         common = ["--log-level", args.log_level]
         overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
+        if not getattr(args, "prefix_caching", True):
+            overlap.append("--no-prefix-caching")
         num_schedulers = getattr(args, "schedulers", 1)
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"

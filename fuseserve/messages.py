@@ -143,7 +143,8 @@ def read_scheduler_stats(r) -> dict:
 
 @dataclass
 class RequestMessage:
-    """A sequence to generate. ``params`` is ``SamplingParams.to_dict()``; ``arrival`` is epoch seconds."""
+    """A sequence to generate. ``params`` is ``SamplingParams.to_dict()``; ``arrival`` is epoch seconds;
+    ``cache_salt``: only sequences with the same salt share cached prefix blocks (None: no salt)."""
 
     seq_id: int
     request_id: str
@@ -151,6 +152,7 @@ class RequestMessage:
     prompt_token_ids: list[int]
     params: dict
     arrival: float = 0.0
+    cache_salt: str | None = None
 
     def encode(self) -> dict[str, str]:
         return {"data": json.dumps(asdict(self))}
@@ -171,6 +173,7 @@ class TokenMessage:
     hidden: the token ended the sequence as EOS / stop token id; it is not part of the text.
     finish_reason: "stop" | "length" | "abort" on the sequence's last event, else None.
     error: ``{"message", "type", "status"}`` when the scheduler rejected the request.
+    cached_tokens: on the first token's event (index 0): prompt tokens found in the prefix cache.
     prompt_logprobs: ``{"start_pos", "logprobs", "top": [[[token_id, logprob], ...], ...]}`` for an
         event carrying prompt-token logprobs (no token), else None.
     """
@@ -183,6 +186,7 @@ class TokenMessage:
     hidden: bool = False
     finish_reason: str | None = None
     error: dict | None = None
+    cached_tokens: int = 0
     prompt_logprobs: dict | None = None
 
 

@@ -19,6 +19,7 @@ class Response:
     top_logprobs: per generated token, the top-N alternatives (when requested), else empty.
     prompt_logprobs: with ``prompt_logprobs=N``, per prompt position a ``TokenLogprobs`` (the prompt
         token's id, logprob and top-N alternatives; None at position 0), else None.
+    cached_tokens: prompt tokens whose KV came from the prefix cache (not computed again).
     """
 
     text: str
@@ -29,3 +30,4 @@ class Response:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     prompt_logprobs: list | None = None
+    cached_tokens: int = 0

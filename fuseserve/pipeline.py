@@ -63,6 +63,7 @@ class _Request(OutputState):
             self.logprobs,
             self.top_logprobs,
             self.prompt_logprobs,
+            self.cached_tokens,
         )
 
 
@@ -84,6 +85,7 @@ class Pipeline:
         cache_dir: str | None = None,
         progress: bool = True,
         overlap: bool = True,
+        prefix_caching: bool = True,
         target_itl: float | None = None,
         target_prefill_rate: float | None = None,
         tokenizer: str | None = None,
@@ -100,6 +102,7 @@ class Pipeline:
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
+            enable_prefix_caching=prefix_caching,
             target_itl=target_itl,
             target_prefill_rate=target_prefill_rate,
         )
@@ -123,6 +126,7 @@ class Pipeline:
         )
         self.defaults = generation_defaults(self.source.path)
         self.core = EngineCore(self.config, self.eos_token_ids)
+        self.core.scheduler.model_id = self.source.name
         self.core.add_worker(
             "local",
             self.runner,
@@ -270,6 +274,7 @@ class Pipeline:
             ev.hidden,
             ev.finish_reason.value if ev.finish_reason is not None else None,
             prompt_logprobs=ev.prompt_logprobs,
+            cached_tokens=ev.cached_tokens if ev.index == 0 else None,
         )
         if req.stop_matched:
             self._command("abort", req.seq_id)
@@ -353,7 +358,9 @@ def pipeline(
     "flash-attn"), cache_dir, progress, overlap (build the next pass while the current one runs;
     default True), target_itl (seconds) and target_prefill_rate (prompt tokens/s; TTFT target =
     prompt tokens / rate): latency targets that size each SplitFuse pass from this device's measured
-    latency curve (``docs/architecture.md``, "SLO-driven token budget"); default None (fixed budget);     tokenizer (a tokenizer directory replacing the model's; without any tokenizer only
+    latency curve (``docs/architecture.md``, "SLO-driven token budget"); default None (fixed budget);
+    prefix_caching (reuse the KV of prompt prefixes already computed; default True); tokenizer (a
+    tokenizer directory replacing the model's; without any tokenizer only
     token-id prompts work), chat_template (a Jinja file replacing the model's), max_model_len
     (context length in tokens, at most the model's). Sampling defaults come from the model's
     ``generation_config.json`` (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens).

@@ -14,6 +14,15 @@ from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, check_redis_auth, with_
 from fuseserve.worker.latency_model import PRESETS
 
 
+def _no_prefix_caching(p) -> None:
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt from its first token (default: reuse the KV of cached prefixes)",
+    )
+
+
 def _redis(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-url",
@@ -220,6 +229,7 @@ def add_parsers(sub, engine_args) -> None:
         action="store_false",
         help="the scheduler sends a worker its next plan only after its current result (default: overlap)",
     )
+    _no_prefix_caching(s)
     _drain(
         s,
         "the scheduler(s) and workers get this many seconds to finish the sequences they run",
@@ -261,6 +271,7 @@ def add_parsers(sub, engine_args) -> None:
         action="store_false",
         help="send a worker its next plan only after its current result (default: overlap)",
     )
+    _no_prefix_caching(c)
     _drain(
         c,
         "read no new requests and finish the unfinished ones within this many seconds, or hand them "

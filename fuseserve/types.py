@@ -27,6 +27,11 @@ class SeqChunk:
     sample: True when the chunk reaches the end of the known tokens, so the pass samples a token.
     params: sampling parameters, sent with the sequence's first chunk only (``start_pos == 0``).
     prompt_len: number of prompt tokens (for penalties: prompt vs generated), with ``params``.
+    block_ids: KV-block ids appended to the sequence's block table before the chunk runs (the
+        scheduler allocates every block, ``services/scheduler/block_accounting.py``); with ``params``
+        they start a new table, whose first blocks may be shared cached blocks (prefix cache hit).
+    prefix_token_ids: with ``params`` and ``start_pos > 0``: the tokens ``0..start_pos`` whose K/V
+        are already in the table's shared blocks (not computed again; kept for penalties).
     """
 
     seq_id: int
@@ -36,6 +41,8 @@ class SeqChunk:
     sample: bool = False
     params: SamplingParams | None = None
     prompt_len: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    prefix_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -123,6 +130,8 @@ class TokenEvent:
     applied: one poll may apply several results of a sequence, so it cannot be read off later.
     prompt_logprobs: prompt-token logprobs (an event without a token); a recompute may resend
     positions already sent.
+    cached_tokens: on the first token's event (index 0), the prompt tokens found in the prefix cache
+        (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); 0 on every other event.
     """
 
     seq_id: int
@@ -133,3 +142,4 @@ class TokenEvent:
     error_status: int = 500
     index: int = -1
     prompt_logprobs: PromptLogprobs | None = None
+    cached_tokens: int = 0

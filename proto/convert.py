@@ -78,6 +78,8 @@ def seq_chunk_to_proto(chunk: SeqChunk) -> pb.SeqChunk:
         token_ids=chunk.token_ids,
         sample=chunk.sample,
         prompt_len=chunk.prompt_len,
+        block_ids=chunk.block_ids,
+        prefix_token_ids=chunk.prefix_token_ids,
     )
     if chunk.params is not None:
         msg.params.CopyFrom(sampling_params_to_proto(chunk.params))
@@ -94,6 +96,8 @@ def seq_chunk_from_proto(msg: pb.SeqChunk) -> SeqChunk:
         sample=msg.sample,
         params=sampling_params_from_proto(msg.params) if msg.HasField("params") else None,
         prompt_len=msg.prompt_len,
+        block_ids=list(msg.block_ids),
+        prefix_token_ids=list(msg.prefix_token_ids),
     )
 
 

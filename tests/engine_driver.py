@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.block_accounting import BlockAccount, assign_block_ids
 from fuseserve.types import SeqChunk, StepPlan
+
+_ACCOUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def with_blocks(runner, plan: StepPlan) -> StepPlan:
+    """``plan`` with the block ids the scheduler would send (one ``BlockAccount`` per runner)."""
+    account = _ACCOUNTS.get(runner)
+    if account is None:
+        account = _ACCOUNTS[runner] = BlockAccount(runner.info.num_blocks, runner.info.block_size, False)
+    assign_block_ids(account, plan)
+    return plan
+
+
+def free(runner, seq_ids: list[int]) -> None:
+    """Free sequences on the runner and in its account."""
+    runner.free(seq_ids)
+    account = _ACCOUNTS.get(runner)
+    for sid in seq_ids:
+        if account is not None:
+            account.release(sid)
 
 
 def chunked_logits(
@@ -26,13 +49,13 @@ def chunked_logits(
             n = min(chunk_sizes[sid], len(toks) - start)
             chunks.append(_chunk(sid, toks, start, n, len(toks)))
             pos[sid] = start + n
-        logits, _ = runner.run_pass(StepPlan(step, chunks), all_logits=True)
+        logits, _ = runner.run_pass(with_blocks(runner, StepPlan(step, chunks)), all_logits=True)
         offset = 0
         for c in chunks:
             out[c.seq_id].append(logits[offset : offset + c.num_tokens])
             offset += c.num_tokens
         step += 1
-    runner.free(list(prompts))
+    free(runner, list(prompts))
     return {sid: torch.cat(parts) for sid, parts in out.items()}
 
 
@@ -46,13 +69,13 @@ def greedy_tokens(runner, prompt: list[int], max_new_tokens: int, chunk: int = 1
     while len(tokens) < max_new_tokens:
         n = min(chunk, len(known) - pos)
         c = _chunk(seq_id, known, pos, n, len(prompt))
-        logits, _ = runner.run_pass(StepPlan(step, [c]))
+        logits, _ = runner.run_pass(with_blocks(runner, StepPlan(step, [c])))
         pos, step = pos + n, step + 1
         if c.sample:
             logits_per_step.append(logits[0])
             tokens.append(int(logits[0].argmax()))
             known.append(tokens[-1])
-    runner.free([seq_id])
+    free(runner, [seq_id])
     return tokens, logits_per_step
 
 

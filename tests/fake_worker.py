@@ -1,10 +1,15 @@
 """A cost-free fake model worker for scheduler tests: ``step(plan) -> StepResult`` without a model.
 
 It keeps per-sequence state exactly like ``fuseserve.worker.model_runner.ModelRunner`` does (tokens
-whose K/V it holds, the token it sampled last, blocks per sequence from a fixed pool) and consumes
-plans the same way: ``free_seq_ids`` first; a chunk with ``start_pos == 0`` and ``params`` (re)creates
-the sequence; a decode entry has no token ids and feeds the token sampled last. Every rule of the
-plan contract is asserted (``PlanError``), so a scheduler bug shows up as a failed step.
+whose K/V it holds, the token it sampled last, the block table the scheduler fills) and consumes
+plans the same way: ``free_seq_ids`` first; a chunk with ``params`` (re)creates the sequence, past
+its cached prefix; a decode entry has no token ids and feeds the token sampled last. Every rule of
+the plan contract is asserted (``PlanError``), so a scheduler bug shows up as a failed step.
+
+It also keeps what each KV slot holds (``(position, token)`` per slot of each block): a prefix-cache
+hit must find exactly the prefix's tokens in the shared blocks, and no pass may write into a block
+that another live sequence's table holds (a block reused while referenced, or a shared block
+written again).
 
 "Sampling" is deterministic: the next token is a hash of every token of the sequence so far, so a
 sequence's output depends only on its own tokens (never on the batch, the chunking or a
@@ -14,6 +19,7 @@ EOS, banned like the real sampler while ``len(output) < min_new_tokens`` or with
 
 from __future__ import annotations
 
+import collections
 import zlib
 from dataclasses import dataclass, field
 
@@ -42,7 +48,7 @@ class FakeSeq:
     prompt_len: int
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V this worker holds, in order
     last_token: int | None = None  # sampled last, not yet in ``tokens`` (the next decode input)
-    num_blocks: int = 0
+    table: list[int] = field(default_factory=list)  # block ids, from the plans
 
 
 class FakeWorker:
@@ -81,10 +87,12 @@ class FakeWorker:
         self.seen_seq_ids: set[int] = set()
         self.num_steps = 0
         self.errors: list[PlanError] = []
+        self.slots: dict[int, list[tuple[int, int] | None]] = {}  # block id -> (position, token) per slot
+        self.num_prefix_tokens = 0  # tokens whose K/V came from shared cached blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.num_blocks - sum(s.num_blocks for s in self.seqs.values())
+        return self.num_blocks - len({b for s in self.seqs.values() for b in s.table})
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -118,13 +126,22 @@ class FakeWorker:
             if c.num_tokens < 1:
                 raise PlanError(f"seq {c.seq_id}: num_tokens={c.num_tokens}")
             seq = self.seqs.get(c.seq_id)
-            if c.start_pos == 0 and c.params is not None:
+            if any(not 0 <= b < self.num_blocks for b in c.block_ids):
+                raise PlanError(f"seq {c.seq_id}: block ids {c.block_ids} outside the pool")
+            if c.params is not None:
                 seq = FakeSeq(c.params, c.prompt_len)  # new, or a recompute from scratch
                 self.seqs[c.seq_id] = seq
                 if c.prompt_len < 1:
                     raise PlanError(f"seq {c.seq_id}: first chunk with prompt_len={c.prompt_len}")
-            if seq is None:
-                raise PlanError(f"seq {c.seq_id}: unknown; a first chunk needs start_pos 0 and params")
+                self._shared_prefix(c, seq)
+            elif seq is None:
+                raise PlanError(f"seq {c.seq_id}: unknown; a first chunk needs params")
+            else:
+                seq.table.extend(c.block_ids)
+            if len(seq.table) * self.block_size < c.start_pos + c.num_tokens:
+                raise PlanError(
+                    f"seq {c.seq_id}: table of {len(seq.table)} blocks for a chunk ending at {c.start_pos + c.num_tokens}"
+                )
             if c.start_pos != len(seq.tokens):
                 raise PlanError(
                     f"seq {c.seq_id}: chunk starts at {c.start_pos}, worker holds {len(seq.tokens)}"
@@ -155,14 +172,11 @@ class FakeWorker:
             if (end == limit and not c.sample) or (c.sample and end < limit - 1):
                 raise PlanError(f"seq {c.seq_id}: sample={c.sample} for a chunk ending at {end} of {limit}")
             inputs.append((seq, tokens))
-        # allocate blocks like BlockTables.ensure, after the frees
-        need = sum(max(0, self._blocks(len(s.tokens) + len(t)) - s.num_blocks) for s, t in inputs)
-        if need > self.num_free_blocks:
-            raise PlanError(f"KV cache full: {need} blocks requested, {self.num_free_blocks} free")
         out: list[SampledToken] = []
+        holders = collections.Counter(b for s in self.seqs.values() for b in set(s.table))
         for c, (seq, tokens) in zip(plan.chunks, inputs, strict=True):
+            self._write(c.seq_id, seq, tokens, holders)
             seq.tokens.extend(tokens)
-            seq.num_blocks = max(seq.num_blocks, self._blocks(len(seq.tokens)))
             seq.last_token = None
             hist = self.history.setdefault(c.seq_id, [])
             if len(seq.tokens) > len(hist):
@@ -177,6 +191,33 @@ class FakeWorker:
                     raise PlanError(f"seq {c.seq_id}: resampled a different token after recompute")
                 out.append(SampledToken(c.seq_id, tok, -1.0))
         return StepResult(plan.step_id, out)
+
+    def _shared_prefix(self, c, seq: FakeSeq) -> None:
+        """Start a new table; its first ``start_pos`` tokens must be in the shared blocks already."""
+        bs = self.block_size
+        seq.table = list(c.block_ids)
+        if c.start_pos % bs or len(c.prefix_token_ids) != c.start_pos:
+            raise PlanError(
+                f"seq {c.seq_id}: cached prefix of {c.start_pos} tokens (block {bs}), {len(c.prefix_token_ids)} ids"
+            )
+        for pos, tok in enumerate(c.prefix_token_ids):
+            held = self.slots.get(seq.table[pos // bs], [None] * bs)[pos % bs]
+            if held != (pos, tok):
+                raise PlanError(
+                    f"seq {c.seq_id}: cached block {seq.table[pos // bs]} holds {held} at {pos}, not {tok}"
+                )
+        seq.tokens = list(c.prefix_token_ids)
+        self.num_prefix_tokens += c.start_pos
+
+    def _write(self, seq_id: int, seq: FakeSeq, tokens: list[int], holders: collections.Counter) -> None:
+        """Write the K/V of ``tokens`` into the slots after ``seq.tokens``; never into a block that
+        another live sequence's table holds."""
+        bs = self.block_size
+        for pos, tok in enumerate(tokens, len(seq.tokens)):
+            b = seq.table[pos // bs]
+            if holders[b] > 1:
+                raise PlanError(f"seq {seq_id}: writes block {b}, which another live sequence holds")
+            self.slots.setdefault(b, [None] * bs)[pos % bs] = (pos, tok)
 
     def _sample(self, seq: FakeSeq) -> int:
         tok = next_token(seq.tokens, self.vocab_size, self.eos_every)

@@ -56,11 +56,16 @@ def test_completion_echo_usage_and_finish(http, tok, fake):
         "prompt_tokens": len(ids),
         "completion_tokens": len(ids) + 1,
         "total_tokens": 2 * len(ids) + 1,
+        "prompt_tokens_details": {"cached_tokens": 0},  # the fake scheduler caches nothing
     }
     # max_tokens defaults to what fits the context
     assert fake.requests[-1].params["max_new_tokens"] == 8192 - len(ids)
 
-    body = post(http, "/v1/completions", prompt=prompt, max_tokens=3, temperature=0, seed=1).json()
+    assert fake.requests[-1].cache_salt is None
+    body = post(
+        http, "/v1/completions", prompt=prompt, max_tokens=3, temperature=0, seed=1, cache_salt="t1"
+    ).json()
+    assert fake.requests[-1].cache_salt == "t1"  # forwarded to the scheduler (prefix-cache isolation)
     assert body["choices"][0]["text"] == tok.decode(ids[:3])
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 3

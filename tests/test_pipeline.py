@@ -281,6 +281,16 @@ def test_stops_learned_a_pass_late_never_leak(pipe, pipe_serial):
     wait_all_free(pipe_serial)
 
 
+def test_repeated_prompt_reuses_its_cached_prefix(pipe):
+    """Prefix caching is on by default: a prompt sent again reuses the KV of its full blocks and says
+    so in ``Response.cached_tokens``; the output is unchanged."""
+    ids = chat(pipe, "Name three rivers of Europe and one fact about each of them, briefly. " * 3)
+    first = pipe(ids, temperature=0.0, max_new_tokens=4)[0]
+    again = pipe(ids, temperature=0.0, max_new_tokens=4)[0]
+    assert again.token_ids == first.token_ids
+    assert again.cached_tokens == (len(ids) - 1) // 16 * 16 > 0
+
+
 def test_latency_targets_keep_greedy_outputs(pipe, smollm2_source):
     """With targets each pass's budget is chosen per pass (prior: this device's start-up profile);
     the greedy tokens stay those of the fixed-budget pipeline."""

@@ -32,11 +32,8 @@ def test_small_kv_pool_preempts_and_every_request_finishes(workers, max_preempti
     def on_step(plans, before):
         for plan in plans.values():
             assert plan.num_tokens <= 32
-        for name, slot in eng.sched.slots.items():  # the accounting covers the worker's real usage
-            fake = eng.fakes[name]
-            to_free = sum(fake.seqs[s].num_blocks for s in slot.pending_free if s in fake.seqs)
-            assert slot.account.num_free >= 0
-            assert fake.num_free_blocks + to_free >= slot.account.num_free
+        for slot in eng.sched.slots.values():  # reference counts and the free count are exact
+            slot.account.check()  # (the fake worker checks no block is written while another holds it)
 
     eng.run(on_step)
     assert sorted(eng.finish) == list(range(32))

@@ -11,10 +11,12 @@ import time
 import httpx
 import pytest
 import redis
+from engine_driver import with_blocks
 
 from fuseserve import messages
-from fuseserve.errors import InvalidParameterError, KVCacheFullError, SchedulerError
+from fuseserve.errors import InvalidBlockError, InvalidParameterError, SchedulerError
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.block_accounting import BlockAccount, assign_block_ids
 from fuseserve.types import SeqChunk, StepPlan
 from fuseserve.worker.latency_model import PRESETS, get_preset
 from fuseserve.worker.sim_runner import (
@@ -64,10 +66,8 @@ def twins(real_runner) -> tuple[object, SimulatedRunner]:
 
 def same_state(real, sim) -> None:
     assert sim.num_free_blocks == real.num_free_blocks
-    blocks = {
-        sid: len(t) for sid, t in real.seq_table.block_tables.tables.items()
-    }  # ids depend on the free list's past
-    assert {sid: len(t) for sid, t in sim.seq_table.block_tables.tables.items()} == blocks
+    blocks = {sid: s.block_table for sid, s in real.seqs.items()}
+    assert {sid: s.block_table for sid, s in sim.seqs.items()} == blocks
     assert {k: v.num_computed for k, v in sim.seqs.items()} == {
         k: v.num_computed for k, v in real.seqs.items()
     }
@@ -92,6 +92,7 @@ def test_accounts_blocks_exactly_like_the_model_runner(real_runner):
         StepPlan(4, [first(1, list(range(1, 6)), True)], free_seq_ids=[3]),  # recompute from scratch
     ]
     for plan in plans:
+        with_blocks(real, plan)  # both runners get the same block ids, as from one scheduler
         r_real, r_sim = real.step(plan), sim.step(plan)
         assert [t.seq_id for t in r_sim.tokens] == [t.seq_id for t in r_real.tokens]
         same_state(real, sim)
@@ -104,14 +105,18 @@ BAD_PLANS = {
     "wrong start_pos": (StepPlan(1, [chunk(1, 2, [1], True)]), SchedulerError),
     "decode before a sample": (StepPlan(1, [decode(1, 5)]), SchedulerError),
     "token count": (StepPlan(1, [SeqChunk(1, 5, 2, [1], True)]), SchedulerError),
-    "KV cache full": (StepPlan(1, [first(4, list(range(1, 50)), True)]), KVCacheFullError),
+    "no blocks for the chunk": (StepPlan(1, [first(4, list(range(1, 50)), True)]), SchedulerError),
+    "block id outside the pool": (
+        StepPlan(1, [SeqChunk(4, 0, 2, [1, 2], True, GREEDY, 2, block_ids=[12])]),
+        InvalidBlockError,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD_PLANS))
 def test_rejects_what_the_model_runner_rejects(real_runner, name):
     real, sim = twins(real_runner)
-    setup = StepPlan(0, [first(1, [1, 2, 3, 4, 5], False, prompt_len=9)])
+    setup = with_blocks(real, StepPlan(0, [first(1, [1, 2, 3, 4, 5], False, prompt_len=9)]))
     real.step(setup), sim.step(setup)
     plan, error = BAD_PLANS[name]
     with pytest.raises(error):
@@ -124,20 +129,29 @@ def test_rejects_what_the_model_runner_rejects(real_runner, name):
 def test_sleeps_the_modelled_time_and_tokens_ignore_batching():
     slept = []
     sim = SimulatedRunner(A100, slowdown=3.0, sleep=slept.append)
-    one = StepPlan(0, [first(7, list(range(30)), True)])
+    one = with_blocks(sim, StepPlan(0, [first(7, list(range(30)), True)]))
     res = sim.step(one)
     assert slept == [pytest.approx(3.0 * A100.plan_seconds(one))]
-    assert sim.step(StepPlan(1, [])).tokens == [] and len(slept) == 1  # an empty plan takes no time
+    assert (
+        sim.step(with_blocks(sim, StepPlan(1, []))).tokens == [] and len(slept) == 1
+    )  # an empty plan takes no time
     # the same prompt in two chunks, under another sequence id, next to another sequence: same tokens
     other = SimulatedRunner(A100, sleep=lambda s: None)
-    other.step(StepPlan(0, [first(5, list(range(12)), False, prompt_len=30), first(8, [1, 2], True)]))
-    res2 = other.step(StepPlan(1, [chunk(5, 12, list(range(12, 30)), True)]))
+    other.step(
+        with_blocks(
+            other, StepPlan(0, [first(5, list(range(12)), False, prompt_len=30), first(8, [1, 2], True)])
+        )
+    )
+    res2 = other.step(with_blocks(other, StepPlan(1, [chunk(5, 12, list(range(12, 30)), True)])))
     key = prompt_key(list(range(30)))
     assert res.tokens[0].token_id == res2.tokens[0].token_id == sim_token(key, 30)
-    assert sim.step(StepPlan(2, [decode(7, 30)])).tokens[0].token_id == sim_token(key, 31)
+    assert sim.step(with_blocks(sim, StepPlan(2, [decode(7, 30)]))).tokens[0].token_id == sim_token(key, 31)
+    # a prefix-cache hit: the first chunk starts at 16 and carries the cached tokens' ids: same token
+    hit = SeqChunk(9, 16, 14, list(range(16, 30)), True, GREEDY, 30, prefix_token_ids=list(range(16)))
+    assert other.step(with_blocks(other, StepPlan(2, [hit]))).tokens[0].token_id == sim_token(key, 30)
     # a recompute resends prompt + generated tokens: the prompt key and the next token are unchanged
     redo = StepPlan(3, [first(7, [*range(30), sim_token(key, 30), sim_token(key, 31)], True, prompt_len=30)])
-    assert sim.step(redo).tokens[0].token_id == sim_token(key, 32)
+    assert sim.step(with_blocks(sim, redo)).tokens[0].token_id == sim_token(key, 32)
     assert sim.info.eos_token_ids == []  # never ends a sequence by EOS
 
 
@@ -176,6 +190,7 @@ def test_simulated_worker_process_registers_serves_and_exports_metrics():
             assert "libtorch" not in maps, f"torch loaded (registered after {started:.1f} s)"
             handle = GrpcWorker(rec)
             plan = StepPlan(3, [first(1, list(range(100, 164)), True), first(2, [5, 6], True)])
+            assign_block_ids(BlockAccount(rec.num_blocks, 16, False), plan)
             res = handle.step(plan)
             keys = [prompt_key(list(range(100, 164))), prompt_key([5, 6])]
             assert [t.token_id for t in res.tokens] == [sim_token(keys[0], 64), sim_token(keys[1], 2)]

@@ -64,7 +64,7 @@ def test_pass_never_exceeds_predicted_latency_limit():
     sched, clock = make(budget=A6000.knee(), itl=itl, rate=512, prior=A6000.shape_seconds)
     slot = sched.slots["w"]
     for i in range(24):
-        sched.add(Sequence(i, [1] * (900 + 37 * i), params(20)))
+        sched.add(Sequence(i, [i + 1] * (900 + 37 * i), params(20)))  # distinct: no prefix-cache hits
     sizes = []
 
     def check(plan):
@@ -121,7 +121,8 @@ def test_targets_are_validated():
 
 
 def plan_digest(policy: str, **slo) -> str:
-    """sha256 of every plan of a closed-loop run (8 clients, 40 requests, mixed lengths)."""
+    """sha256 of every plan of a closed-loop run (8 clients, 40 requests, mixed lengths). The prompts
+    share no prefix (prefix caching on, as by default, must then plan exactly as without it)."""
     sched, clock = make(policy=policy, budget=224, num_blocks=2000, **slo)
     digest = hashlib.sha256()
     lengths = [(50 + (i * 397) % 2500, 5 + (i * 31) % 60) for i in range(40)]
@@ -130,7 +131,7 @@ def plan_digest(policy: str, **slo) -> str:
     def send():
         nonlocal sent
         prompt, out = lengths[sent]
-        sched.add(Sequence(sent, [sent % 7 + 1] * prompt, params(out)))
+        sched.add(Sequence(sent, [sent + 1] * prompt, params(out)))
         sent += 1
 
     for _ in range(8):

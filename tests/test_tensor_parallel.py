@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from engine_driver import chunked_logits, greedy_tokens
+from engine_driver import chunked_logits, free, greedy_tokens, with_blocks
 from greedy_check import assert_matches
 from tiny_models import NEW_FAMILIES, tiny_checkpoint
 
@@ -137,11 +137,11 @@ def test_worker_runner_broadcasts_plans_and_stops_ranks(tmp_path):
     try:
         assert parallel.world() == (0, 2)
         first = SeqChunk(7, 0, len(prompt), prompt, True, SamplingParams(temperature=0.0), len(prompt))
-        tokens = [runner.step(StepPlan(0, [first])).tokens[0].token_id]
+        tokens = [runner.step(with_blocks(runner, StepPlan(0, [first]))).tokens[0].token_id]
         for i in range(1, 8):
             decode = SeqChunk(7, len(prompt) + i - 1, 1, [], True, None, len(prompt))
-            tokens.append(runner.step(StepPlan(i, [decode])).tokens[0].token_id)
-        runner.free([7])
+            tokens.append(runner.step(with_blocks(runner, StepPlan(i, [decode]))).tokens[0].token_id)
+        free(runner, [7])
         assert runner.num_free_blocks == runner.info.num_blocks
     finally:
         runner.close()

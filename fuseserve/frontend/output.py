@@ -67,7 +67,8 @@ class OutputState:
     Attributes: token_ids (every generated id, hidden ones included); logprobs / top_logprobs (per
     generated token, when asked for); visible (logprobs of the visible tokens); prompt_logprobs (per
     prompt position, None at position 0 and where not computed; None unless asked for); finish_reason
-    ("stop", "length", "abort", "error" or None while running); error (the event's error, as given).
+    ("stop", "length", "abort", "error" or None while running); error (the event's error, as given);
+    cached_tokens (prompt tokens the engine found in its prefix cache, from the first token's event).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class OutputState:
         self.next_index = 0
         self.finish_reason: str | None = None
         self.error: Any = None
+        self.cached_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -118,12 +120,14 @@ class OutputState:
         index: int = -1,
         error: Any = None,
         prompt_logprobs: PromptLogprobs | dict | None = None,
+        cached_tokens: int | None = None,
     ) -> bool:
         """Add one event to ``delta``; True when it carried a new token (False: duplicate or none).
 
         ``index``: the token's position in the output (-1: unknown); an index already seen is a
         duplicate and ignored. ``error`` finishes the sequence with "error". ``prompt_logprobs``:
         prompt-token logprobs (a ``PromptLogprobs`` or its wire dict), kept one per position.
+        ``cached_tokens``: the prompt tokens served from the prefix cache (the first token's event).
         """
         if self.finished:
             return False
@@ -136,6 +140,8 @@ class OutputState:
             if index >= 0:
                 self.next_index = index + 1
             new_token = True
+            if cached_tokens is not None:
+                self.cached_tokens = cached_tokens
             self.token_ids.append(token_id)
             tops = _as_top(top or [])
             if logprob is not None:

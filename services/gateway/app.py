@@ -279,6 +279,7 @@ class Gateway:
             seqs,
             request_id=uuid.uuid4().hex,
             is_disconnected=request.is_disconnected,
+            cache_salt=req.cache_salt,
             poll_s=self.settings.disconnect_poll_s,
         )
         gen.arrival = arrival

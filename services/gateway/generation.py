@@ -61,6 +61,7 @@ class SequenceState(OutputState):
             ev.index,
             ev.error,
             ev.prompt_logprobs,
+            ev.cached_tokens if ev.index == 0 else None,
         )
 
 
@@ -78,6 +79,7 @@ class Generation:
         request_id: str,
         is_disconnected: Callable[[], Awaitable[bool]],
         poll_s: float = 0.25,
+        cache_salt: str | None = None,
     ):
         self.router = router
         self.metrics = metrics
@@ -85,6 +87,7 @@ class Generation:
         self.request_id = request_id
         self.is_disconnected = is_disconnected
         self.poll_s = poll_s
+        self.cache_salt = cache_salt
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self._by_seq = {s.seq_id: s for s in seqs}
@@ -104,7 +107,12 @@ class Generation:
             self.router.register(s.seq_id, self._queue)
         msgs = [
             RequestMessage(
-                s.seq_id, self.request_id, self.router.gateway_id, s.prompt_ids, s.params.to_dict()
+                s.seq_id,
+                self.request_id,
+                self.router.gateway_id,
+                s.prompt_ids,
+                s.params.to_dict(),
+                cache_salt=self.cache_salt,
             )
             for s in self.seqs
         ]

@@ -7,7 +7,8 @@ bodies by itself. Fields beyond OpenAI's follow vLLM (``top_k``, ``min_p``, ``re
 ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``include_stop_str_in_output``,
 ``structured_outputs`` / ``guided_*`` for structured output, see ``constraints.py``), plus the
 fuseserve extension ``return_token_ids`` (each choice then carries ``token_ids`` and, with logprobs,
-``top_logprob_ids``; see ``render.py``).
+``top_logprob_ids``; see ``render.py``), and vLLM's ``cache_salt`` (requests share cached prefix
+blocks only with requests of the same salt).
 
 Request fields, vLLM's policy (:func:`field_policy`):
 
@@ -80,6 +81,8 @@ class _RequestFields(_SamplingFields):
 
     model: str
     n: int = 1
+    # vLLM's extension, a real field: only requests with the same salt share cached prefix blocks
+    cache_salt: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # fuseserve extension: token ids per choice

@@ -65,14 +65,19 @@ class Renderer:
 
     def usage(self, seqs: list[SequenceState]) -> dict:
         """Prompt tokens count once per prompt (not per ``n``); every generated token counts (none
-        for an echo with ``max_tokens`` 0)."""
+        for an echo with ``max_tokens`` 0). ``prompt_tokens_details.cached_tokens``: prompt tokens
+        served from the prefix cache (per prompt, its first sequence's count)."""
         prompts = {s.prompt_index: len(s.prompt_ids) for s in seqs}
+        cached: dict[int, int] = {}
+        for s in seqs:
+            cached.setdefault(s.prompt_index, s.cached_tokens)
         prompt_tokens = sum(prompts.values())
         completion_tokens = sum(0 if s.echo_only else len(s.token_ids) for s in seqs)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }
 
     def logprobs(self, choice: int, entries: list[TokenLogprobs]) -> dict:

@@ -1,8 +1,10 @@
 """The scheduler's Prometheus metrics (served on ``--metrics-port``), under vLLM's names.
 
 The scheduler owns what it decides: its queue (``fuseserve_num_requests_waiting``), the sequences
-running on its workers, preemptions, the passes it plans (``fuseserve_iteration_tokens_total``, one
-observation per plan, against ``fuseserve_token_budget``), how long planning took, how long a
+running on its workers, preemptions, prefix-cache lookups and hits (in prompt tokens, vLLM's
+``prefix_cache_queries`` / ``prefix_cache_hits``), the passes it plans
+(``fuseserve_iteration_tokens_total``, one observation per plan, against
+``fuseserve_token_budget``), how long planning took, how long a
 sequence waited before its first pass, and the workers it drives. With several schedulers each
 exports only its own queue and its own workers (a worker is leased by one scheduler), so ``sum()``
 over schedulers counts each once. Every series carries ``model_name``, learnt from the first
@@ -49,7 +51,8 @@ class SchedulerMetrics:
     """The scheduler's metrics; ``port`` (None: not served; 0: a free one, then ``self.port``) starts
     prometheus-client's HTTP server.
 
-    ``queue_depth``, ``running``, ``workers`` (gauges), ``preemptions`` (counter), ``cpu_per_step``,
+    ``queue_depth``, ``running``, ``workers`` (gauges), ``preemptions``, ``prefix_cache_queries``,
+    ``prefix_cache_hits`` (counters; the last two in prompt tokens), ``cpu_per_step``,
     ``worker_idle`` (histograms, seconds) are children bound to the current ``model_name``.
     """
 
@@ -69,6 +72,18 @@ class SchedulerMetrics:
         self._workers = Gauge("fuseserve_num_workers", "Live workers this scheduler drives", m, registry=r)
         self._preemptions = Counter(
             "fuseserve_num_preemptions", "Sequences preempted (recomputed later)", m, registry=r
+        )
+        self._prefix_queries = Counter(  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+            "fuseserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission",
+            m,
+            registry=r,
+        )
+        self._prefix_hits = Counter(
+            "fuseserve_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache at admission (not computed again)",
+            m,
+            registry=r,
         )
         self._iteration = Histogram(
             "fuseserve_iteration_tokens_total",
@@ -119,6 +134,8 @@ class SchedulerMetrics:
             self._running,
             self._workers,
             self._preemptions,
+            self._prefix_queries,
+            self._prefix_hits,
             self._iteration,
             self._chosen_budget,
             self._plan_seconds,
@@ -147,6 +164,14 @@ class SchedulerMetrics:
     @property
     def preemptions(self):
         return self._preemptions.labels(self.model_name)
+
+    @property
+    def prefix_cache_queries(self):
+        return self._prefix_queries.labels(self.model_name)
+
+    @property
+    def prefix_cache_hits(self):
+        return self._prefix_hits.labels(self.model_name)
 
     @property
     def cpu_per_step(self):

@@ -71,3 +71,26 @@ def seconds_per_share(
     if t is None:
         return 0.0
     return (num_seqs + 1) * t / token_budget
+
+
+#: prefix-aware placement considers the workers whose load is within this factor of the least
+#: loaded worker's, plus ``BALANCE_SLACK_SEQS`` sequences (SGLang's cache-aware router uses the same
+#: guard: follow the prefix while the load is balanced, else the least loaded)
+BALANCE_FACTOR = 1.5
+BALANCE_SLACK_SEQS = 2.0
+
+
+def near_least_loaded(shares: list[float], num_seqs: list[int]) -> list[bool]:
+    """Which workers are loaded close enough to the least loaded one to follow a prefix there.
+
+    ``shares``: each worker's ``seconds_per_share`` (all 0.0 before any measurement: then the
+    sequence counts + 1 stand in). A worker is near when its load is at most ``BALANCE_FACTOR`` x the
+    least plus ``BALANCE_SLACK_SEQS`` sequences of the least loaded worker. So one hot prefix
+    cannot pile every sequence onto one worker: past the guard the next sequence goes elsewhere and
+    that worker caches the prefix too.
+    """
+    loads = shares if any(shares) else [n + 1.0 for n in num_seqs]
+    i = min(range(len(loads)), key=loads.__getitem__)
+    per_seq = loads[i] / (num_seqs[i] + 1)
+    limit = loads[i] * BALANCE_FACTOR + BALANCE_SLACK_SEQS * per_seq
+    return [x <= limit + 1e-12 for x in loads]

@@ -126,7 +126,10 @@ def admit_new(
         sched.admit(target, seq)
         draft = drafts.get(target.name)
         if draft is not None:
-            draft.entries.append((seq, min(seq.num_tokens, draft.budget_left) if split else seq.num_tokens))
+            # a cached prefix counts as computed: the pass runs only the rest (``num_uncomputed``)
+            draft.entries.append(
+                (seq, min(seq.num_uncomputed, draft.budget_left) if split else seq.num_uncomputed)
+            )
 
 
 class SplitFuse(Policy):

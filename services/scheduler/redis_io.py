@@ -184,6 +184,7 @@ def token_message(ev: TokenEvent) -> messages.TokenMessage:
         hidden=ev.hidden,
         prompt_logprobs=messages.prompt_logprobs_to_wire(ev.prompt_logprobs),
         finish_reason=ev.finish_reason.value if ev.finish_reason else None,
+        cached_tokens=ev.cached_tokens,
         error=None
         if ev.error is None
         else {"message": ev.error, "type": _error_type(ev.error_status), "status": ev.error_status},

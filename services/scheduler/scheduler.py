@@ -34,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fuseserve.block_hash import root_hash
 from fuseserve.config import EngineConfig
 from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
 from fuseserve.scheduler.block_accounting import BlockAccount
-from fuseserve.scheduler.placement import StepTimeModel, seconds_per_share
+from fuseserve.scheduler.placement import StepTimeModel, near_least_loaded, seconds_per_share
 from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.scheduler.slo_budget import PassLatency, SLOBudget
@@ -48,15 +49,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+@dataclass
 class InFlight:
     """A plan sent to a worker and not answered yet.
 
     entries: ``(sequence, num_tokens, admitted_at)``; a result applies to a sequence only while it is
     still running on that worker under the same admission (not preempted, moved or finished since).
+    hashed: blocks this plan fills that were added to the prefix cache when it was built.
     """
 
     plan: StepPlan
     entries: list[tuple[Sequence, int, int]]
+    hashed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -120,6 +124,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_forced_preemptions = 0  # of those, past max_preemptions to break a deadlock
         self.num_surplus_tokens = 0  # tokens sampled past a stop learned one pass late, dropped
+        self.num_prefix_queries = 0  # tokens looked up in a prefix cache at admission
+        self.num_prefix_hits = 0  # of those, tokens found cached (not computed again)
+        self.model_id = ""  # part of every block hash (``fuseserve/block_hash.py``)
         self.touched: set[str] = set()  # workers given work outside their own planning (to dispatch)
 
     # ----- workers -----
@@ -144,7 +151,8 @@ class Scheduler:
             raise SchedulerError(f"worker {name}: no token budget configured or profiled")
         if name in self.slots:
             raise SchedulerError(f"worker {name} is already registered")
-        slot = WorkerSlot(name, BlockAccount(num_blocks, block_size), budget, max_model_len, handle)
+        account = BlockAccount(num_blocks, block_size, self.config.enable_prefix_caching)
+        slot = WorkerSlot(name, account, budget, max_model_len, handle)
         slot.latency = PassLatency(latency_prior)
         self.slots[name] = slot
         self._workers_changed()
@@ -249,7 +257,10 @@ class Scheduler:
             plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
             slot.num_steps += 1
             slot.pending_free = []
-            slot.inflight.append(InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries]))
+            hashed = [b for seq, _ in draft.entries for b in self._commit_planned(slot, seq)]
+            slot.inflight.append(
+                InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed)
+            )
             plans[slot.name] = plan
             for observe in self.pass_observers:
                 observe(slot.name, draft.token_budget, plan.num_tokens)
@@ -271,19 +282,30 @@ class Scheduler:
         # last token was sampled before the worker restarted it)
         decode = seq.num_pending > 0 or (not seq.in_prefill and seq.num_tokens > seq.num_tokens_at_admission)
         sample = end == seq.num_planned_tokens
+        first = start == seq.num_start_tokens  # the first chunk since admission (after its cached prefix)
         chunk = SeqChunk(
             seq_id=seq.seq_id,
             start_pos=start,
             num_tokens=n,
             token_ids=[] if decode else seq.token_slice(start, end),
             sample=sample,
-            params=seq.params if start == 0 else None,
-            prompt_len=seq.prompt_len if start == 0 else 0,
+            params=seq.params if first else None,
+            prompt_len=seq.prompt_len if first else 0,
+            block_ids=self.slots[seq.worker].account.unsent(seq.seq_id),
+            prefix_token_ids=seq.token_slice(0, start) if first else [],
         )
         seq.num_computed_tokens = end
         if sample:
             seq.num_pending += 1
         return chunk
+
+    def _commit_planned(self, slot: WorkerSlot, seq: Sequence) -> list[int]:
+        """Hash the blocks of ``seq`` that its plans sent so far fill (tokens known); returns their ids."""
+        end = min(seq.num_computed_tokens, seq.num_tokens)  # a decode input sampled in flight is unknown
+        if not slot.account.needs_commit(seq.seq_id, end):
+            return []
+        root = root_hash(self.model_id, seq.cache_salt)
+        return slot.account.commit(seq.seq_id, seq.full_block_hashes(slot.account.block_size, root), end)
 
     def ends_in_flight(self, seq: Sequence) -> bool:
         """The plan in flight samples ``seq``'s last token by length: planning it again is surplus."""
@@ -343,23 +365,51 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
-        """Rule 2: blocks for the whole remaining prompt plus the watermark (plus ``extra_blocks``),
-        and a free sequence slot, on a worker that is not draining."""
+        """Rule 2: blocks for the whole remaining prompt (past its cached prefix) plus the watermark
+        (plus ``extra_blocks``), and a free sequence slot, on a worker that is not draining."""
         return (
             not slot.draining
             and len(slot.running) < self.config.max_num_seqs
             and slot.account.can_reserve(
-                seq.seq_id, seq.num_tokens, self.config.watermark_blocks + extra_blocks
+                seq.seq_id,
+                seq.num_tokens,
+                self.config.watermark_blocks + extra_blocks,
+                self.prefix_hit(slot, seq),
             )
         )
 
+    def prefix_hit(self, slot: WorkerSlot, seq: Sequence) -> list[int]:
+        """Ids of ``slot``'s cached blocks holding the longest prefix of ``seq``'s tokens.
+
+        At most ``num_tokens - 1`` tokens are taken from the cache: the last one must run to sample.
+        Empty (no hit) with ``prompt_logprobs``: a cached position is not computed, so it would
+        have no logprobs (vLLM skips the cache for these requests too).
+        """
+        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        bs = slot.account.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks <= 0:
+            return []
+        return slot.account.match(
+            seq.full_block_hashes(bs, root_hash(self.model_id, seq.cache_salt)), max_blocks
+        )
+
     def admit(self, slot: WorkerSlot, seq: Sequence) -> None:
-        """Move ``seq`` from the queue onto ``slot``, reserving blocks for all its known tokens."""
+        """Move ``seq`` from the queue onto ``slot``, reserving blocks for all its known tokens; the
+        tokens of its cached prefix count as computed, so its first chunk starts after them."""
         if self.waiting and self.waiting[0] is seq:
             self.waiting.popleft()
         else:
             self.waiting.remove(seq)
-        slot.account.reserve(seq.seq_id, seq.num_tokens)
+        shared = self.prefix_hit(slot, seq)
+        slot.account.reserve(seq.seq_id, seq.num_tokens, shared)
+        seq.num_start_tokens = seq.num_computed_tokens = len(shared) * slot.account.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_start_tokens
+        if self.config.enable_prefix_caching and seq.params.prompt_logprobs is None:  # looked up
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += seq.num_start_tokens
         seq.status = SeqStatus.RUNNING
         seq.worker = slot.name
         seq.admitted_at = next(self._admit_counter)
@@ -379,7 +429,9 @@ class Scheduler:
         running sequence for its next decode. Every candidate must pass rule 2. Soonest: the smallest
         ``placement.seconds_per_share`` (sequences in proportion to measured speed); ties (no
         measurement yet) go to the worker with the larger share of free blocks, then fewer running
-        sequences.
+        sequences. With prefix-aware placement, the workers loaded near the least
+        (``placement.near_least_loaded``) are candidates first and the one caching the most of the
+        prompt wins.
         """
         candidates = [s for s in here if self.can_admit(s, seq)]
         if elsewhere:
@@ -396,12 +448,21 @@ class Scheduler:
             return candidates[0]
         measured = [s.step_time for s in self.slots.values() if s.step_time.seconds(1) is not None]
         fallback = measured[0] if measured else None
+        shares = [
+            seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running)) for s in candidates
+        ]
 
-        def key(s: WorkerSlot):
-            share = seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running))
-            return (round(share, 9), -s.account.num_free / s.account.num_blocks, len(s.running))
+        def key(i: int):
+            s = candidates[i]
+            return (round(shares[i], 9), -s.account.num_free / s.account.num_blocks, len(s.running))
 
-        return min(candidates, key=key)
+        order = range(len(candidates))
+        if self.config.enable_prefix_caching and self.config.prefix_aware_placement:
+            hits = [len(self.prefix_hit(s, seq)) for s in candidates]
+            if any(hits):  # follow the prefix among the workers loaded near the least
+                near = near_least_loaded(shares, [len(s.running) for s in candidates])
+                return candidates[min((i for i in order if near[i]), key=lambda i: (-hits[i], key(i)))]
+        return candidates[min(order, key=key)]
 
     @staticmethod
     def _queued_prompt_tokens(slot: WorkerSlot) -> int:
@@ -435,6 +496,12 @@ class Scheduler:
             else:
                 self._finish(seq, FinishReason.ABORT)
                 events.append(TokenEvent(seq.seq_id, None, FinishReason.ABORT, error=message))
+        # the blocks this plan and the later ones were to fill may hold garbage: no longer cached, and
+        # a sequence that shares one recomputes
+        bad = set(record.hashed).union(*(r.hashed for r in slot.inflight))
+        slot.account.uncommit(sorted(bad))
+        for seq in [s for s in slot.running if bad.intersection(slot.account.tables.get(s.seq_id, ()))]:
+            self._to_waiting(seq)
         return events
 
     def fail_waiting(self, message: str, status: int) -> list[TokenEvent]:
@@ -486,7 +553,9 @@ class Scheduler:
             seq.num_pending -= 1
             seq.output_token_ids.append(tok.token_id)
             reason, hidden = self._stop_reason(seq, tok.token_id)
-            events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=len(seq.output_token_ids) - 1))
+            index = len(seq.output_token_ids) - 1
+            cached = (seq.num_cached_tokens or 0) if index == 0 else 0
+            events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
             if reason is not None:
                 self._finish(seq, reason)
         return events

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from fuseserve.block_hash import extend_block_hashes
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import FinishReason  # noqa: F401 - re-exported for the scheduler
 
@@ -28,6 +29,13 @@ class Sequence:
     admitted_at: a counter value when it was last admitted (preemption picks the largest).
     num_tokens_at_admission: tokens known when it was last admitted; only a token sampled after
         that is held by the worker as the input of a decode entry (a recompute's are not).
+    cache_salt: isolates this request's prefix-cache blocks from other salts (vLLM's name); None
+        shares with every request without a salt.
+    block_hashes: hashes of its full blocks so far (``fuseserve/block_hash.py``), extended as tokens
+        arrive.
+    num_cached_tokens: prompt tokens found in the prefix cache at its first admission (usage's
+        ``cached_tokens``); num_start_tokens: tokens cached at its last admission, where its first
+        chunk starts.
     arrival_time: when the scheduler queued it, on the scheduler's clock (seconds); the TTFT
         deadline counts from here (``fuseserve.scheduler.slo_budget``).
     """
@@ -44,6 +52,10 @@ class Sequence:
     worker: str | None = None
     admitted_at: int = -1
     num_tokens_at_admission: int = 0
+    cache_salt: str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    num_start_tokens: int = 0
     arrival_time: float = 0.0
 
     @property
@@ -69,6 +81,18 @@ class Sequence:
     def in_prefill(self) -> bool:
         """True while more than the last sampled token remain to run (prompt or recompute)."""
         return self.num_uncomputed > 1 or not (self.output_token_ids or self.num_pending)
+
+    def full_block_hashes(self, block_size: int, root: int) -> list[int]:
+        """Hashes of every full block of the known tokens (extends ``block_hashes``)."""
+        if len(self.block_hashes) < self.num_tokens // block_size:
+            extend_block_hashes(
+                self.block_hashes,
+                self.prompt_token_ids + self.output_token_ids,
+                self.num_tokens,
+                block_size,
+                root,
+            )
+        return self.block_hashes
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Known token ids ``start:end`` (prompt then generated)."""

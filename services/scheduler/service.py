@@ -145,7 +145,7 @@ class SchedulerService:
                 continue
             try:
                 params = SamplingParams.from_dict(msg.params)
-                seq = Sequence(msg.seq_id, msg.prompt_token_ids, params)
+                seq = Sequence(msg.seq_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt)
                 self.core.add_request(seq)
             except FuseServeError as e:
                 errors[msg.gateway_id].append(
@@ -252,6 +252,7 @@ class SchedulerService:
             self._cpu0 = time.process_time()
             return
         preempted = self.scheduler.num_preemptions
+        queries, hits = self.scheduler.num_prefix_queries, self.scheduler.num_prefix_hits
         idle_seen = self.core.stats.num_idle
         events = self.core.poll(timeout=timeout, record_cpu=False)
         n = self.core.num_completions
@@ -262,6 +263,9 @@ class SchedulerService:
         self._publish_events(events)
         if self.scheduler.num_preemptions != preempted:
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        if self.scheduler.num_prefix_queries != queries:
+            self.metrics.prefix_cache_queries.inc(self.scheduler.num_prefix_queries - queries)
+            self.metrics.prefix_cache_hits.inc(self.scheduler.num_prefix_hits - hits)
         new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
         # only the new tail: copying the whole window (up to STATS_WINDOW floats) every poll costs
         for idle in itertools.islice(reversed(self.core.stats.idle_s), new_idle):
@@ -386,6 +390,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         policy=args.policy,
         block_size=args.block_size,
         overlap=getattr(args, "overlap", True),
+        enable_prefix_caching=getattr(args, "prefix_caching", True),
         target_itl=getattr(args, "target_itl", None),
         target_prefill_rate=getattr(args, "target_prefill_rate", None),
     )

@@ -1,4 +1,5 @@
-"""Paged KV cache: per-layer block tensors (the allocator and block tables are in ``blocks.py``).
+"""Paged KV cache: per-layer block tensors. Block ids come from the scheduler's allocator
+(``services/scheduler/block_accounting.py``); the block tables are in ``seq_table.py``.
 
 Layout per layer (``docs/architecture.md``, "Vocabulary"): K and V are ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. Token ``pos`` of a sequence lives in slot ``block_table[pos // block_size] * block_size

@@ -1,7 +1,7 @@
 """The worker's model runner: executes step plans (prepare → run → sample → postprocess).
 
-It owns the model, the paged KV cache with its block allocator and per-sequence block tables, and
-per-sequence state (sampling state, last sampled token, tokens whose KV it holds). The same runner
+It owns the model, the paged KV cache with the per-sequence block tables the scheduler fills (the
+scheduler allocates the block ids, shared prefix blocks included), and per-sequence state (sampling state, last sampled token, tokens whose KV it holds). The same runner
 serves the in-process pipeline and the gRPC worker (``docs/architecture.md``).
 """
 
@@ -167,10 +167,10 @@ class ModelRunner:
         return logits, sampling_chunks
 
     def prepare(self, plan: StepPlan) -> tuple[RaggedBatch, list[SeqChunk]]:
-        """Build the flattened ragged batch; allocates blocks as chunks need them.
+        """Build the flattened ragged batch; block tables grow by the ids the chunks carry.
 
         Raises what ``SeqTable.admit`` raises: ``SchedulerError`` for an inconsistent plan,
-        ``KVCacheFullError`` when blocks run out (the scheduler's accounting prevents both).
+        ``InvalidBlockError`` for a block id outside the pool.
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -180,6 +180,8 @@ class ModelRunner:
         bs = self.block_size
         for c in plan.chunks:
             seq, tokens, table = self.seq_table.admit(c)
+            if c.prefix_token_ids:  # a cached prefix: its tokens count for penalties all the same
+                self._record_tokens(seq, 0, c.prefix_token_ids)
             self._record_tokens(seq, c.start_pos, tokens)
             top_n = seq.sampling.params.prompt_logprobs if seq.sampling is not None else None
             if top_n is not None:

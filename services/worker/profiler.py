@@ -35,8 +35,21 @@ def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, fl
         tokens = torch.randint(0, runner.vocab_size, (n,), generator=g).tolist()
         best = float("inf")
         for _ in range(repeats):
+            blocks = list(range(-(-n // runner.block_size)))  # a scratch sequence, alone in the cache
             plan = StepPlan(
-                -1, [SeqChunk(_PROFILE_SEQ_ID, 0, n, tokens, sample=True, params=params, prompt_len=n)]
+                -1,
+                [
+                    SeqChunk(
+                        _PROFILE_SEQ_ID,
+                        0,
+                        n,
+                        tokens,
+                        sample=True,
+                        params=params,
+                        prompt_len=n,
+                        block_ids=blocks,
+                    )
+                ],
             )
             t0 = time.perf_counter()
             runner.run_pass(plan)

@@ -32,7 +32,7 @@ class Runner(Protocol):
 
     info: capacity reported at registration. seqs: the sequences it holds, by id.
     step(plan): free ``plan.free_seq_ids``, run the chunks, return the sampled tokens in plan order
-        and the seconds the step took; raises ``SchedulerError`` / ``KVCacheFullError`` for a plan
+        and the seconds the step took; raises ``SchedulerError`` / ``InvalidBlockError`` for a plan
         that breaks the contract (``SeqTable.admit``).
     free(seq_ids): drop sequences and return their blocks (unknown ids are ignored).
     """

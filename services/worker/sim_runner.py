@@ -3,7 +3,7 @@
 ``fuseserve worker --simulate PRESET`` serves the real gRPC worker (``server.py``) with this runner:
 control-plane load tests and capacity planning without GPUs (llm-d's inference simulator is the
 anchor). Per step it does the model runner's bookkeeping with the same code (``SeqTable``: frees,
-plan checks, block allocation, the same errors), then sleeps the modelled pass time
+plan checks, block tables, the same errors), then sleeps the modelled pass time
 (``LatencyModel.plan_seconds`` x ``slowdown``) and returns deterministic tokens.
 
 Tokens are a pure function of (the prompt's token ids, position) in ``[SIM_FIRST_TOKEN,
@@ -102,6 +102,8 @@ class SimulatedRunner:
         sampling = []
         for c in plan.chunks:
             seq, tokens, _ = self.seq_table.admit(c)
+            if c.prefix_token_ids:  # a cached prefix: its prompt tokens key the output all the same
+                seq.sampling.key = prompt_key(c.prefix_token_ids[: seq.prompt_len])
             prompt_part = tokens[: max(0, seq.prompt_len - c.start_pos)]
             if prompt_part:
                 seq.sampling.key = prompt_key(prompt_part, seq.sampling.key)
