@@ -133,7 +133,9 @@ def simulate(
         sid = next_req
         next_req += 1
         params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-        sched.add(Sequence(sid, [0] * r.prompt_len, params))
+        # distinct prompts (the paper's workload shares no prefix): the first token differs, so with
+        # prefix caching on no block hash repeats across requests
+        sched.add(Sequence(sid, [sid + 1] + [0] * (r.prompt_len - 1), params))
         traces[sid] = RequestTrace(worker.now, [], r.prompt_len, 0)
 
     for _ in range(min(num_clients, len(requests))):
