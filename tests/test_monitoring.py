@@ -157,3 +157,15 @@ def test_scheduler_passes_budget_and_queue_time_counted_once():
     m.drop_worker("w0")
     slots.clear()
     assert value("fuseserve_token_budget", {"model_name": "m", "worker": "w0"}) is None
+
+
+def test_scheduler_counters_are_exported_at_zero_before_any_event():
+    """A dashboard's ``rate(fuseserve_num_preemptions_total[1m])`` needs the series before the first
+    preemption (a labelled counter exports nothing until its child exists)."""
+    from prometheus_client import generate_latest
+
+    m = SchedulerMetrics(None)
+    m.set_model("smollm2")
+    text = generate_latest(m.registry).decode()
+    for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
+        assert f'fuseserve_{name}_total{{model_name="smollm2"}} 0.0' in text, name

@@ -143,6 +143,7 @@ class SchedulerMetrics:
             self._cpu,
             self._idle,
         )
+        self._zero_counters()
         self.port: int | None = None
         if port is not None:
             server, _ = start_http_server(port, registry=r)
@@ -189,6 +190,13 @@ class SchedulerMetrics:
         for fam in self._families:
             fam.clear()
         self.model_name = model_name
+        self._zero_counters()
+
+    def _zero_counters(self) -> None:
+        """Create the counters' series at 0, so they are exported (and rate() works) before the
+        first preemption or prefix lookup."""
+        for counter in (self.preemptions, self.prefix_cache_queries, self.prefix_cache_hits):
+            counter.inc(0)
 
     def watch(self, core) -> None:
         """Observe the passes ``core`` (an ``EngineCore``) plans, and read its workers' budgets."""
