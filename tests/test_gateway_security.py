@@ -203,6 +203,20 @@ def test_limits_with_zero_logprobs():
     limiter.check_body({"n": "many"})  # a type error: the request model reports it, not the limits
 
 
+def test_max_n_is_the_only_upper_bound_on_n():
+    """``--max-n`` raised above its default of 16 lets a larger ``n`` through; ``n`` < 1 stays a 400."""
+    from fuseserve.errors import InvalidParameterError
+    from fuseserve.frontend.openai_params import check_n
+    from fuseserve.gateway.limits import Limiter, LimitExceededError
+
+    Limiter(RequestLimits(max_n=32)).check_body({"n": 20, "prompt": "x"})
+    check_n(20)
+    with pytest.raises(LimitExceededError, match="--max-n=32"):
+        Limiter(RequestLimits(max_n=32)).check_body({"n": 33, "prompt": "x"})
+    with pytest.raises(InvalidParameterError):
+        check_n(0)
+
+
 def test_max_output_tokens_is_the_default(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7, 8] * 2, "ignore_eos": True})
     assert r.status_code == 200, r.text

@@ -21,17 +21,15 @@ from fuseserve.gateway.constraints import constraint_kwargs
 from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams, check_text
 from fuseserve.structured import grammar_backend
 
-MAX_N = 16
-"""Largest ``n`` (sequences per prompt) a request may ask for."""
-
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds travel as signed 64-bit integers (each of ``n`` sequences gets ``seed + index``)."""
 
 
 def check_n(n: int) -> None:
-    """Raise ``InvalidParameterError`` unless 1 <= n <= ``MAX_N``."""
-    if not 1 <= n <= MAX_N:
-        raise InvalidParameterError("n", n, f"an integer in [1, {MAX_N}]")
+    """Raise ``InvalidParameterError`` unless n >= 1. The upper bound is a cost limit, configured in
+    one place: ``RequestLimits.max_n`` (``--max-n``, checked by ``gateway/limits.py``)."""
+    if n < 1:
+        raise InvalidParameterError("n", n, "an integer >= 1")
 
 
 def sampling_params(
