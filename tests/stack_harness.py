@@ -38,11 +38,11 @@ def local_stack(
         yield server.stack, server.url
 
 
-def recovery_stack():
-    """``local_stack`` in fp32 with a small budget and KV pool, for tests that kill a worker: a
-    recompute on the other worker must reproduce greedy tokens exactly (bf16 matmuls may round
-    differently for another batch shape)."""
-    return local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32")
+def recovery_stack(**kwargs):
+    """``local_stack`` in fp32 with a small budget and KV pool, for tests that kill or drain a worker
+    or a scheduler: a recompute or a takeover must reproduce greedy tokens exactly (bf16 matmuls may
+    round differently for another batch shape). ``kwargs`` go to ``local_stack`` (``schedulers=2``)."""
+    return local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32", **kwargs)
 
 
 def openai_client(base: str, **kwargs):

@@ -21,9 +21,9 @@ import redis
 from stack_harness import (
     ask_streamed,
     busiest_scheduler,
-    local_stack,
     openai_client,
     proc_named,
+    recovery_stack,
     stats_of_live_schedulers,
     wait_for,
     worker_num_running,
@@ -39,8 +39,7 @@ PROMPTS = [f"Name a fact about the number {i}." for i in range(NUM_STREAMS)]
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    # fp32: exact text after a recompute or a takeover
-    with local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32", schedulers=2) as s:
+    with recovery_stack(schedulers=2) as s:
         yield s
 
 

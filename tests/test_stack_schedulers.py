@@ -14,8 +14,8 @@ import pytest
 from stack_harness import (
     ask_streamed,
     busiest_scheduler,
-    local_stack,
     openai_client,
+    recovery_stack,
     stats_of_live_schedulers,
 )
 
@@ -26,8 +26,7 @@ PROMPTS = [f"Write a sentence about the number {i}." for i in range(NUM_REQUESTS
 
 @pytest.fixture(scope="module")
 def stack(smollm2_source):
-    # fp32: exact text after a takeover (bf16 rounding depends on the batch a recompute lands in)
-    with local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32", schedulers=2) as s:
+    with recovery_stack(schedulers=2) as s:
         yield s
 
 
