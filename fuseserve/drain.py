@@ -62,3 +62,10 @@ class DrainSignal:
     def wait(self, seconds: float) -> None:
         """Sleep up to ``seconds``, waking early on a second signal."""
         self.now.wait(seconds)
+
+    def wait_requested(self, poll_s: float = 0.25) -> None:
+        """Block the main thread until the first signal. It waits in ``poll_s`` slices: the kernel may
+        deliver SIGTERM to any thread (gRPC's, the heartbeat's), and Python runs the handler only
+        when the main thread next runs bytecode, which a wait without a timeout never does."""
+        while not self.requested.wait(poll_s):
+            pass

@@ -263,7 +263,7 @@ def run_worker(args: argparse.Namespace) -> int:
     print(f"fuseserve worker {worker_id} ready at {address}", flush=True)
 
     drain = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
-    drain.requested.wait()
+    drain.wait_requested()
     with register:
         record.draining = True
     write_record()
