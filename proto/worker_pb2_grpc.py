@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/fuseserve.worker.v1.Worker/Steps',
+                request_serializer=worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=worker__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Free = channel.unary_unary(
                 '/fuseserve.worker.v1.Worker/Free',
                 request_serializer=worker__pb2.FreeRequest.SerializeToString,
@@ -70,6 +75,17 @@ class WorkerServicer:
 
     def Step(self, request, context):
         """Run one forward pass (free, then run chunks, then sample) and return the sampled tokens.
+        Kept for tools and tests; the scheduler drives a worker over Steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Steps(self, request_iterator, context):
+        """The scheduler's session with a worker: one stream, plans in, one response per plan out, in the
+        order the plans were sent. Plans run exactly as Step runs them (step_id order, a plan of a session
+        a later Free(all) ended is refused); a plan that fails answers with StepResponse.failure set and
+        the stream goes on. The stream ending or breaking means the worker is gone for this scheduler.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +115,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=worker__pb2.StepRequest.FromString,
+                    response_serializer=worker__pb2.StepResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
                     request_deserializer=worker__pb2.StepRequest.FromString,
                     response_serializer=worker__pb2.StepResponse.SerializeToString,
             ),
@@ -166,6 +187,33 @@ class Worker:
             request,
             target,
             '/fuseserve.worker.v1.Worker/Step',
+            worker__pb2.StepRequest.SerializeToString,
+            worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fuseserve.worker.v1.Worker/Steps',
             worker__pb2.StepRequest.SerializeToString,
             worker__pb2.StepResponse.FromString,
             options,

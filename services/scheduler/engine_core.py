@@ -12,8 +12,8 @@ through the scheduler; ``fuseserve.scheduler.scheduler`` explains how tokens not
 and how a stop learned one pass late is dropped.
 
 A worker handle either runs a plan (``step(plan) -> StepResult``, called from the lane's own thread,
-or inline for deterministic tests) or sends it ahead (``submit(plan) -> Future``, the gRPC client),
-in which case the worker itself runs plans in ``step_id`` order.
+or inline for deterministic tests) or sends it ahead (``send(plan, on_result)``, the gRPC client,
+which calls back with the result), in which case the worker itself runs plans in ``step_id`` order.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,7 +47,11 @@ class WorkerHandle(Protocol):
 
 
 class _Lane:
-    """Carries one worker's plans out in order and its results into the core's completion queue."""
+    """Carries one worker's plans out in order and its results into the core's completion queue.
+
+    A handle with ``send(plan, on_result)`` (the gRPC client) takes the plan and calls back from its
+    own thread; one with only ``step(plan)`` runs on the lane's thread, or inline when not threaded.
+    """
 
     def __init__(self, name: str, handle, done: queue.SimpleQueue, threaded: bool):
         self.name = name
@@ -55,13 +59,13 @@ class _Lane:
         self._done = done
         self.results: dict[int, StepResult | Exception] = {}  # arrived, waiting for older plans
         self._pool = None
-        if not hasattr(handle, "submit") and threaded:
+        self._send = getattr(handle, "send", None)
+        if self._send is None and threaded:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{name}")
 
     def submit(self, plan: StepPlan) -> None:
-        if hasattr(self.handle, "submit"):
-            fut: Future = self.handle.submit(plan)
-            fut.add_done_callback(lambda f, sid=plan.step_id: self._put(sid, f))
+        if self._send is not None:
+            self._send(plan, self._put)
         elif self._pool is not None:
             self._pool.submit(self._run, plan)
         else:
@@ -74,9 +78,8 @@ class _Lane:
             result = e
         self._done.put((self, plan.step_id, result))
 
-    def _put(self, step_id: int, fut: Future) -> None:
-        e = fut.exception()
-        self._done.put((self, step_id, e if e is not None else fut.result()))
+    def _put(self, step_id: int, result: StepResult | Exception) -> None:
+        self._done.put((self, step_id, result))
 
     def close(self) -> None:
         """Drop plans not started; wait for the one running (a thread must not die inside a pass)."""

@@ -45,12 +45,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     """gRPC face of a runner (``runner.Runner``: the model runner or the simulated one); steps run one
     at a time (runners are not re-entrant).
 
-    A scheduler with overlap sends a worker's next plan while the current one runs, so two Step
-    calls can be in the server at once; they run in ``step_id`` order (numbered 0, 1, ... from the
-    scheduler's ``Free(all)``): a plan whose predecessor has not arrived waits for it up to
-    ``ORDER_WAIT_S``. A plan that arrived before the last ``Free(all)`` (a dead scheduler's, queued
-    behind a pass) or whose caller is gone is refused with ABORTED. The gap between the end of one
-    pass and the start of the next is reported as ``idle_seconds``.
+    A scheduler drives the worker over one ``Steps`` stream (``Step`` answers one plan the same
+    way). With overlap it sends the next plan while the current one runs; plans run in ``step_id``
+    order (numbered 0, 1, ... from the scheduler's ``Free(all)``): a plan whose predecessor has not
+    arrived waits for it up to ``ORDER_WAIT_S``. A plan that arrived before the last ``Free(all)`` (a
+    dead scheduler's, queued behind a pass) or whose caller is gone is refused (``STEP_STALE``;
+    ``Step``: ABORTED). The gap between the end of one pass and the start of the next is reported as
+    ``idle_seconds``.
     """
 
     def __init__(self, runner, worker_id: str, model_name: str, metrics=None):
@@ -87,12 +88,30 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     def Step(self, request, context):
+        response = self._run(request, context)
+        if response.failure == pb.STEP_STALE:
+            context.abort(grpc.StatusCode.ABORTED, response.error)
+        if response.failure == pb.STEP_REJECTED:
+            context.abort(grpc.StatusCode.INTERNAL, response.error)
+        return response
+
+    def Steps(self, request_iterator, context):
+        """The scheduler's session: each plan read from the stream runs as ``Step`` runs it, and its
+        response (or its failure) is written back before the next plan is read. gRPC keeps reading
+        the stream meanwhile, so the next plan is already here when a pass ends (overlap)."""
+        for request in request_iterator:
+            yield self._run(request, context)
+
+    def _run(self, request, context) -> pb.StepResponse:
+        """Run one plan in ``step_id`` order; a failure is answered with ``failure`` set."""
         plan = convert.step_plan_from_proto(request)
         epoch = self._epoch  # plans sent before a Free(all) belong to a scheduler that is gone
         with self._lock:
             self._wait_turn(plan.step_id, epoch)
             if epoch != self._epoch or not context.is_active():
-                context.abort(grpc.StatusCode.ABORTED, "plan of a previous scheduler session")
+                return pb.StepResponse(
+                    step_id=plan.step_id, failure=pb.STEP_STALE, error="plan of a previous scheduler session"
+                )
             start = time.perf_counter()
             idle = None if self._last_end is None else start - self._last_end
             try:
@@ -100,7 +119,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             except Exception as e:  # a bad plan must not kill the worker; the scheduler sees the error
                 log.exception("step %d failed", plan.step_id)
                 self._end_step(plan.step_id)
-                context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+                return pb.StepResponse(
+                    step_id=plan.step_id, failure=pb.STEP_REJECTED, error=f"{type(e).__name__}: {e}"
+                )
             self._end_step(plan.step_id)
             free = self.runner.num_free_blocks
         time.sleep(0)  # hand the GIL to a plan queued behind this one: its pass starts now
@@ -215,7 +236,8 @@ def run_worker(args: argparse.Namespace) -> int:
     metrics_port = getattr(args, "metrics_port", None)
     metrics = WorkerMetrics(worker_id, model_name, metrics_port, runner) if metrics_port is not None else None
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=convert.GRPC_OPTIONS)
+    # a scheduler's Steps stream holds a thread while it lives (one, or two while a scheduler takes over)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=convert.GRPC_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, worker_id, model_name, metrics), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     server.start()
