@@ -69,21 +69,31 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 # ---------------------------------------------------------------------------------------- StepPlan
-def seq_chunk_to_proto(chunk: SeqChunk) -> pb.SeqChunk:
-    """SeqChunk → ``SeqChunk`` message; ``params`` is sent only when set (first chunk)."""
-    msg = pb.SeqChunk(
-        seq_id=chunk.seq_id,
-        start_pos=chunk.start_pos,
-        num_tokens=chunk.num_tokens,
-        token_ids=chunk.token_ids,
-        sample=chunk.sample,
-        prompt_len=chunk.prompt_len,
-        block_ids=chunk.block_ids,
-        prefix_token_ids=chunk.prefix_token_ids,
+# The scheduler encodes a plan and decodes a result per worker-step: messages are built in place
+# (``chunks.add``) and a field is set only when it has a value (a decode entry: four scalars and the
+# block it may start); about 2x faster than building every message with every field.
+def _add_chunk(chunks, chunk: SeqChunk) -> None:
+    """Append ``chunk`` to a ``repeated SeqChunk`` field; ``params`` is sent only when set."""
+    msg = chunks.add(
+        seq_id=chunk.seq_id, start_pos=chunk.start_pos, num_tokens=chunk.num_tokens, sample=chunk.sample
     )
+    if chunk.block_ids:
+        msg.block_ids.extend(chunk.block_ids)
+    if chunk.token_ids:
+        msg.token_ids.extend(chunk.token_ids)
     if chunk.params is not None:
         msg.params.CopyFrom(sampling_params_to_proto(chunk.params))
-    return msg
+    if chunk.prompt_len:
+        msg.prompt_len = chunk.prompt_len
+    if chunk.prefix_token_ids:
+        msg.prefix_token_ids.extend(chunk.prefix_token_ids)
+
+
+def seq_chunk_to_proto(chunk: SeqChunk) -> pb.SeqChunk:
+    """SeqChunk → ``SeqChunk`` message; ``params`` is sent only when set (first chunk)."""
+    holder = pb.StepRequest()
+    _add_chunk(holder.chunks, chunk)
+    return holder.chunks[0]
 
 
 def seq_chunk_from_proto(msg: pb.SeqChunk) -> SeqChunk:
@@ -103,11 +113,11 @@ def seq_chunk_from_proto(msg: pb.SeqChunk) -> SeqChunk:
 
 def step_plan_to_proto(plan: StepPlan) -> pb.StepRequest:
     """StepPlan → ``StepRequest`` (chunks in plan order)."""
-    return pb.StepRequest(
-        step_id=plan.step_id,
-        chunks=[seq_chunk_to_proto(c) for c in plan.chunks],
-        free_seq_ids=plan.free_seq_ids,
-    )
+    msg = pb.StepRequest(step_id=plan.step_id, free_seq_ids=plan.free_seq_ids)
+    chunks = msg.chunks
+    for chunk in plan.chunks:
+        _add_chunk(chunks, chunk)
+    return msg
 
 
 def step_plan_from_proto(msg: pb.StepRequest) -> StepPlan:
@@ -134,6 +144,8 @@ def sampled_token_to_proto(token: SampledToken) -> pb.SampledToken:
 
 def sampled_token_from_proto(msg: pb.SampledToken) -> SampledToken:
     """``SampledToken`` message → SampledToken (``logprob`` None when unset)."""
+    if not msg.HasField("logprob"):  # no logprobs asked: no alternatives either
+        return SampledToken(msg.seq_id, msg.token_id)
     return SampledToken(
         seq_id=msg.seq_id,
         token_id=msg.token_id,
@@ -174,7 +186,9 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
                 p.seq_id, p.start_pos, list(p.logprobs), [_logprobs_from_proto(t.entries) for t in p.top]
             )
             for p in msg.prompt_logprobs
-        ],
+        ]
+        if msg.prompt_logprobs
+        else [],
     )
 
 

@@ -52,7 +52,13 @@ def test_stubs_import_from_package():
     assert pb.DESCRIPTOR.package == "fuseserve.worker.v1"
     assert pb.DESCRIPTOR.services_by_name["Worker"].full_name == "fuseserve.worker.v1.Worker"
     assert pb_grpc.worker__pb2 is pb  # the grpc stub imports the pb2 module through the package
-    assert set(pb.DESCRIPTOR.services_by_name["Worker"].methods_by_name) == {"Info", "Step", "Steps", "Free", "Health"}
+    assert set(pb.DESCRIPTOR.services_by_name["Worker"].methods_by_name) == {
+        "Info",
+        "Step",
+        "Steps",
+        "Free",
+        "Health",
+    }
 
 
 def test_every_proto_field_is_commented():
