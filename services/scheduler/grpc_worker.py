@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import grpc
@@ -96,8 +97,9 @@ class GrpcWorker:
         self._channel = grpc.aio.insecure_channel(self.record.address, options=convert.GRPC_OPTIONS)
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._call = self._stub.Steps()
-        self._requests: asyncio.Queue = asyncio.Queue()
-        self._tasks = [asyncio.ensure_future(c) for c in (self._write(), self._read(), self._watch())]
+        self._requests: deque[pb.StepRequest] = deque()  # written by ``_write``, one at a time
+        self._writing = False
+        self._tasks = [asyncio.ensure_future(c) for c in (self._read(), self._watch())]
 
     # ----- caller's thread -----
     def send(self, plan: StepPlan, on_result: OnResult) -> None:
@@ -145,14 +147,19 @@ class GrpcWorker:
             on_result(step_id, self._lost)
             return
         self._pending[step_id] = (on_result, time.monotonic())
-        self._requests.put_nowait(request)
+        self._requests.append(request)
+        if not self._writing:  # one write at a time on a stream: the writer takes the rest in turn
+            self._writing = True
+            asyncio.ensure_future(self._write())
 
     async def _write(self) -> None:
         try:
-            while True:
-                await self._call.write(await self._requests.get())
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass  # the stream broke; the reader fails the plans in flight
+            while self._requests:
+                await self._call.write(self._requests.popleft())
+        except Exception:  # noqa: BLE001 - the stream broke or closed; the reader fails the plans in flight
+            self._requests.clear()
+        finally:
+            self._writing = False
 
     async def _read(self) -> None:
         lost = None
