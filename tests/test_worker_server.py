@@ -134,3 +134,21 @@ def test_a_worker_gone_fails_the_plans_in_flight_as_lost():
             handle.step(StepPlan(2))
     finally:
         handle.close()
+
+
+def test_a_worker_that_answers_no_plan_in_time_is_cut_off_as_lost(worker, monkeypatch):
+    from fuseserve.scheduler import grpc_worker
+
+    runner, first = worker
+    monkeypatch.setattr(grpc_worker, "STEP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(grpc_worker, "WATCH_S", 0.1)
+    runner.pass_s = 2.0
+    handle = GrpcWorker(first.record)  # a fresh stream, whose watchdog runs with the limits above
+    try:
+        handle.reset()
+        started = time.monotonic()
+        with pytest.raises(WorkerLostError, match="no answer"):
+            handle.step(StepPlan(0))
+        assert time.monotonic() - started < 1.5
+    finally:
+        handle.close()
