@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import queue
 import socket
 import threading
 import time
@@ -97,24 +96,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return response
 
     def Steps(self, request_iterator, context):
-        """The scheduler's session: the plans read from the stream run one after another as ``Step``
-        runs them, on a thread of the stream's own, and each response (or failure) is written back
-        by this handler meanwhile: the next pass starts the moment one ends, not after its response
-        has gone out (overlap). A broken stream ends the session."""
-        responses: queue.SimpleQueue = queue.SimpleQueue()
-
-        def run_plans() -> None:
-            try:
-                for request in request_iterator:
-                    responses.put(self._run(request, context))
-            except grpc.RpcError:
-                pass  # the scheduler went away
-            finally:
-                responses.put(None)
-
-        threading.Thread(target=run_plans, name="steps", daemon=True).start()
-        while (response := responses.get()) is not None:
-            yield response
+        """The scheduler's session: each plan read from the stream runs as ``Step`` runs it, and its
+        response (or its failure) is written back before the next plan is read. gRPC keeps reading
+        the stream meanwhile, so the next plan is already here when a pass ends (overlap)."""
+        for request in request_iterator:
+            yield self._run(request, context)
 
     def _run(self, request, context) -> pb.StepResponse:
         """Run one plan in ``step_id`` order; a failure is answered with ``failure`` set."""
