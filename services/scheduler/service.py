@@ -24,7 +24,6 @@ a request through.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
@@ -266,9 +265,8 @@ class SchedulerService:
         if self.scheduler.num_prefix_queries != queries:
             self.metrics.prefix_cache_queries.inc(self.scheduler.num_prefix_queries - queries)
             self.metrics.prefix_cache_hits.inc(self.scheduler.num_prefix_hits - hits)
-        new_idle = min(self.core.stats.num_idle - idle_seen, len(self.core.stats.idle_s))
         # only the new tail: copying the whole window (up to STATS_WINDOW floats) every poll costs
-        for idle in itertools.islice(reversed(self.core.stats.idle_s), new_idle):
+        for idle in self.core.stats.idle_s.last(self.core.stats.num_idle - idle_seen):
             self.metrics.worker_idle.observe(idle)
         cpu = time.process_time()  # the process's CPU since the last worker-steps, spread over these
         self.stats_cpu(cpu - self._cpu0, n)
