@@ -17,7 +17,10 @@ from fuseserve.redis_launcher import launch_redis
 from fuseserve.scheduler import redis_io
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.redis_io import RedisInbox
+from fuseserve.scheduler.scheduler import TokenEvent
+from fuseserve.scheduler.sequence import FinishReason
 from fuseserve.scheduler.worker_leases import WorkerLeases
+from fuseserve.types import PromptLogprobs, SampledToken, TokenLogprob
 
 
 @pytest.fixture
@@ -111,3 +114,71 @@ def test_lease_renewal_notes_a_lease_another_scheduler_took(r):
     leases.renew()
     assert leases._lost == {"w1"}
     assert r.pttl(messages.worker_lease_key("w0")) > 1000  # extended to SCHEDULER_TTL_S
+
+
+def full_token_message(ev: TokenEvent) -> messages.TokenMessage:
+    """Every field of an event, spelled out (the form the wire had before defaults were left out)."""
+    tok = ev.token
+    return messages.TokenMessage(
+        seq_id=ev.seq_id,
+        index=ev.index,
+        token_id=tok.token_id if tok else None,
+        logprob=tok.logprob if tok else None,
+        top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok and tok.top_logprobs else [],
+        hidden=ev.hidden,
+        prompt_logprobs=messages.prompt_logprobs_to_wire(ev.prompt_logprobs),
+        finish_reason=ev.finish_reason.value if ev.finish_reason else None,
+        cached_tokens=ev.cached_tokens,
+        error=None
+        if ev.error is None
+        else {"message": ev.error, "type": redis_io._error_type(ev.error_status), "status": ev.error_status},
+    )
+
+
+EVENTS = [
+    TokenEvent(1, SampledToken(1, 42), index=0, cached_tokens=16),
+    TokenEvent(2, SampledToken(2, 0, logprob=0.0), index=3),
+    TokenEvent(3, SampledToken(3, 7, -0.5, [TokenLogprob(7, -0.5), TokenLogprob(9, -1.5)]), index=1),
+    TokenEvent(4, SampledToken(4, 2), FinishReason.STOP, hidden=True, index=9),
+    TokenEvent(5, None, FinishReason.ABORT, error="no worker is available", error_status=503),
+    TokenEvent(6, None, index=-1, prompt_logprobs=PromptLogprobs(6, 1, [-0.25], [[TokenLogprob(5, -0.25)]])),
+    TokenEvent(7, SampledToken(7, 11), FinishReason.LENGTH, index=4),
+]
+
+
+def test_compact_wire_decodes_to_the_full_message():
+    wire = [redis_io.token_wire(ev) for ev in EVENTS]
+    assert wire[1] == {"seq_id": 2, "index": 3, "token_id": 0, "logprob": 0.0}
+    assert messages.decode_events(messages.encode_events(wire)) == [full_token_message(ev) for ev in EVENTS]
+    full = [full_token_message(ev) for ev in EVENTS]  # TokenMessages encode the same way
+    assert json.loads(messages.encode_events(full)["data"]) == json.loads(
+        messages.encode_events(wire)["data"]
+    )
+
+
+def test_publisher_writes_acks_and_reconnects(r):
+    pub = redis_io.Publisher(r)
+    add_requests(r, 2)
+    entries = r.xreadgroup(messages.SCHEDULER_GROUP, "sched-a", {messages.REQUESTS: ">"}, count=2)[0][1]
+    ids = [eid for eid, _ in entries]
+    wire = [redis_io.token_wire(ev) for ev in EVENTS]
+    pub.publish({"gw1": wire[:3], "gw2": wire[3:]}, ids[:1])
+    got = {
+        gw: [e for _, f in r.xrange(messages.responses_stream(gw)) for e in messages.decode_events(f)]
+        for gw in ("gw1", "gw2")
+    }
+    assert got == {
+        "gw1": [full_token_message(ev) for ev in EVENTS[:3]],
+        "gw2": [full_token_message(ev) for ev in EVENTS[3:]],
+    }
+    assert r.xpending(messages.REQUESTS, messages.SCHEDULER_GROUP)["pending"] == 1
+    assert [eid for eid, _ in r.xrange(messages.REQUESTS)] == ids[1:]  # acknowledged and deleted
+    r.client_kill_filter(_type="normal", skipme=True)  # the publisher's connection is gone
+    pub.publish({}, ids[1:])
+    assert r.xpending(messages.REQUESTS, messages.SCHEDULER_GROUP)["pending"] == 0
+    r.set(messages.responses_stream("bad"), "not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        pub.publish({"bad": wire[:1], "gw1": wire[:1]})
+    pub.publish({"gw1": wire[:1]})  # every reply was read: the connection is still in step
+    assert r.xlen(messages.responses_stream("gw1")) == 3
+    pub.close()

@@ -7,9 +7,9 @@ its own, its next plan sent while its pass runs). Its I/O is kept off that loop'
   group, read only while this scheduler's workers have room (requests stay in the stream for a
   scheduler that has room), and aborts from the control stream; they wake the loop
   (``EngineCore.wakeup``) instead of the loop polling Redis;
-- the token events of each poll round go out in one pipeline, one write per gateway
-  (``redis_io.publish``); a request's entry is acknowledged when its sequence finished, so a
-  restarted scheduler re-claims unfinished ones;
+- the token events of each poll round go out in one round trip on the loop's own connection, one
+  write per gateway (``redis_io.Publisher``); a request's entry is acknowledged when its sequence
+  finished, so a restarted scheduler re-claims unfinished ones;
 - workers are discovered from their Redis records every ``DISCOVERY_INTERVAL_S`` and driven under a
   lease (``worker_leases.WorkerLeases``).
 
@@ -87,6 +87,7 @@ class SchedulerService:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owners: dict[int, _Owner] = {}
         self.inbox = RedisInbox(self.r, self.consumer, wake=self.core.wakeup)
+        self.publisher = redis_io.Publisher(self.r)  # the loop's writes, on a connection of its own
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
         self.leases = WorkerLeases(self.r, self.consumer, self.core, self.metrics)
@@ -160,7 +161,7 @@ class SchedulerService:
             if not taken_over:
                 self.metrics.note_arrival(msg.seq_id)
         self._room_changed = True
-        redis_io.publish(self.r, errors, rejected)
+        self.publisher.publish(errors, rejected)
 
     def room(self) -> int:
         """New sequences this scheduler's workers could take now (pull-based reading): free
@@ -201,26 +202,26 @@ class SchedulerService:
     # ----- outputs -----
     def _publish_events(self, events: list[TokenEvent]) -> None:
         """Write one poll round's events (one ``XADD`` per gateway) and acknowledge finished requests."""
-        by_gateway: dict[str, list[messages.TokenMessage]] = defaultdict(list)
+        by_gateway: dict[str, list[dict]] = defaultdict(list)
         done = []
         for ev in events:
             owner = self.owners.get(ev.seq_id)
             if owner is None:
                 continue
-            by_gateway[owner.gateway_id].append(redis_io.token_message(ev))
+            by_gateway[owner.gateway_id].append(redis_io.token_wire(ev))
             if ev.finish_reason is not None:
                 done.append(self.owners.pop(ev.seq_id).entry_id)
                 self.metrics.forget(ev.seq_id)
         if done:
             self._room_changed = True
-        redis_io.publish(self.r, by_gateway, done)
+        self.publisher.publish(by_gateway, done)
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
         self.metrics.forget(seq_id)
         if owner is not None:
             self._room_changed = True
-            redis_io.publish(self.r, {}, [owner.entry_id])
+            self.publisher.publish({}, [owner.entry_id])
 
     # ----- loop -----
     def run_once(self) -> None:
@@ -355,6 +356,7 @@ class SchedulerService:
         except redis.RedisError as e:
             log.warning("could not hand requests back (%s); they are claimed once idle", e)
         self.leases.release_all()
+        self.publisher.close()
         self.core.close()
 
     def run(self, stop: threading.Event) -> None:
