@@ -182,3 +182,28 @@ def test_publisher_writes_acks_and_reconnects(r):
     pub.publish({"gw1": wire[:1]})  # every reply was read: the connection is still in step
     assert r.xlen(messages.responses_stream("gw1")) == 3
     pub.close()
+
+
+def test_discovery_reads_records_and_live_schedulers_in_one_call(r):
+    core = EngineCore(EngineConfig(token_budget=64), eos_token_ids=[])
+    leases = WorkerLeases(r, "sched-a", core)
+    assert leases.read_records() == ({}, 0)
+    recs = [
+        messages.WorkerRecord(f"w{i}", f"127.0.0.1:{5000 + i}", "m", 16, 100, 512, 1000, [2], 64)
+        for i in range(3)
+    ]
+    for rec in recs:
+        r.set(messages.worker_key(rec.worker_id), rec.encode())
+    for i in range(1500):  # more keys than one SCAN page
+        r.set(f"other:{i}", 1)
+    for name in ("sched-a", "sched-b"):
+        r.set(messages.scheduler_live_key(name), 1)
+    records, live = leases.read_records()
+    assert records == {rec.worker_id: rec for rec in recs} and live == 2
+    recs[1].draining = True
+    r.set(messages.worker_key("w1"), recs[1].encode())
+    r.delete(messages.worker_key("w2"))
+    again, _ = leases.read_records()
+    assert (
+        again == {"w0": recs[0], "w1": recs[1]} and again["w0"] is records["w0"]
+    )  # unchanged: not decoded again

@@ -26,6 +26,24 @@ _RENEW_LUA = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 return 0
 """
+#: discovery in one round trip: ``{number of live schedulers, {worker record or false, ...}}`` for the
+#: key patterns ARGV[1] (worker records) and ARGV[2] (schedulers' liveness keys). Read-only; it scans
+#: the keyspace as the client-side SCANs it replaces did (the deployment's keyspace is small: streams,
+#: records, leases), but a client round trip costs the scheduler ~80 us of CPU and this saves three.
+_DISCOVER_LUA = """
+local function scan(pattern)
+  local keys, cursor = {}, '0'
+  repeat
+    local page = redis.call('scan', cursor, 'match', pattern, 'count', 1000)
+    cursor = page[1]
+    for _, key in ipairs(page[2]) do keys[#keys + 1] = key end
+  until cursor == '0'
+  return keys
+end
+local records = {}
+for i, key in ipairs(scan(ARGV[1])) do records[i] = redis.call('get', key) end
+return {#scan(ARGV[2]), records}
+"""
 #: delete a lease only while this scheduler holds it
 _RELEASE_LUA = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
@@ -47,17 +65,22 @@ class WorkerLeases:
         self._lost: set[str] = set()  # leases the heartbeat could not renew (another took them)
         self._renew = r.register_script(_RENEW_LUA)
         self._release = r.register_script(_RELEASE_LUA)
+        self._discover = r.register_script(_DISCOVER_LUA)
+        self._decoded: dict[str, messages.WorkerRecord] = {}  # record JSON → record, of the last read
+
+    def read_records(self) -> tuple[dict[str, messages.WorkerRecord], int]:
+        """The workers' records by worker id and the number of live schedulers, in one round trip (a
+        record unchanged since the last read is not decoded again)."""
+        live, raws = self._discover(args=[f"{messages.WORKER_PREFIX}*", messages.scheduler_live_key("*")])
+        decoded = {raw: self._decoded.get(raw) or messages.WorkerRecord.decode(raw) for raw in raws if raw}
+        self._decoded = decoded
+        return {rec.worker_id: rec for rec in decoded.values()}, int(live)
 
     def discover(self) -> None:
         """Follow the worker records: drop workers whose record expired, moved, or whose lease was
         lost; claim unleased workers up to this scheduler's share; give an idle worker back when
         holding more than the share."""
-        keys = list(self.r.scan_iter(match=f"{messages.WORKER_PREFIX}*", count=1000))
-        records = {}
-        for raw in self.r.mget(keys) if keys else []:  # one round trip, not one per worker
-            if raw:
-                rec = messages.WorkerRecord.decode(raw)
-                records[rec.worker_id] = rec
+        records, live = self.read_records()
         workers = self.core.workers
         lost_now, self._lost = self._lost, set()
         for wid in list(workers):
@@ -69,7 +92,6 @@ class WorkerLeases:
                 self.drop(wid)
             elif records[wid].draining:
                 self.core.drain_worker(wid)  # no new sequences there; its running ones finish
-        live = sum(1 for _ in self.r.scan_iter(match=messages.scheduler_live_key("*"), count=1000))
         share = math.ceil(len(records) / max(1, live))
         for wid, rec in records.items():
             if wid in self.core.workers or len(self.core.workers) >= share or rec.draining:
