@@ -207,3 +207,13 @@ def test_discovery_reads_records_and_live_schedulers_in_one_call(r):
     assert (
         again == {"w0": recs[0], "w1": recs[1]} and again["w0"] is records["w0"]
     )  # unchanged: not decoded again
+
+
+def test_lease_renewal_loads_a_script_redis_lost(r):
+    core = EngineCore(EngineConfig(token_budget=64), eos_token_ids=[])
+    leases = WorkerLeases(r, "sched-a", core)
+    r.set(messages.worker_lease_key("w0"), "sched-a", px=1000)
+    leases.leased.add("w0")
+    r.script_flush()  # a restarted Redis
+    leases.renew()
+    assert not leases._lost and r.pttl(messages.worker_lease_key("w0")) > 1000

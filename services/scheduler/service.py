@@ -124,12 +124,14 @@ class SchedulerService:
             if start == "0-0" or not entries:
                 break
 
-    def touch_pending(self) -> None:
+    def touch_pending(self, pipe=None) -> None:
         """Re-deliver this scheduler's pending entries to itself (resets their idle time), so no other
-        scheduler takes them over while this one lives."""
+        scheduler takes them over while this one lives. ``pipe``: queue the commands on this redis-py
+        pipeline instead of sending them now."""
         ids = [o.entry_id for o in list(self.owners.values())]
+        client = self.r if pipe is None else pipe
         for i in range(0, len(ids), 500):
-            self.r.xclaim(
+            client.xclaim(
                 messages.REQUESTS, messages.SCHEDULER_GROUP, self.consumer, 0, ids[i : i + 500], justid=True
             )
 
@@ -334,12 +336,17 @@ class SchedulerService:
         ttl = messages.SCHEDULER_TTL_S
         while not stop.is_set():
             try:
+                # one round trip: each one woke this thread and cost ~0.4 ms of CPU on the dev machine
                 pipe = self.r.pipeline(transaction=False)
                 pipe.set(messages.SCHEDULER_HEARTBEAT, self.consumer, ex=ttl)
                 pipe.set(messages.scheduler_live_key(self.consumer), os.getpid(), ex=ttl)
-                pipe.execute()
-                self.leases.renew()
-                self.touch_pending()
+                wids = self.leases.queue_renewals(pipe)
+                self.touch_pending(pipe)
+                replies = pipe.execute(raise_on_error=False)
+                self.leases.note_renewals(wids, replies[2 : 2 + len(wids)])
+                errors = [rep for rep in replies[:2] + replies[2 + len(wids) :] if isinstance(rep, Exception)]
+                if errors:
+                    raise errors[0]
             except redis.RedisError as e:
                 log.warning("scheduler heartbeat failed: %s", e)
             stop.wait(messages.HEARTBEAT_S)

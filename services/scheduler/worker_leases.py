@@ -145,14 +145,35 @@ class WorkerLeases:
             self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
 
     def renew(self) -> None:
-        """Extend every lease this scheduler holds (from the heartbeat thread); a lease another
-        scheduler took is noted and its worker dropped by the next ``discover``."""
+        """Extend every lease this scheduler holds, in one round trip; a lease another scheduler
+        took is noted and its worker dropped by the next ``discover``."""
+        pipe = self.r.pipeline(transaction=False)
+        wids = self.queue_renewals(pipe)
+        self.note_renewals(wids, pipe.execute(raise_on_error=False))
+
+    def queue_renewals(self, pipe, wids: list[str] | None = None) -> list[str]:
+        """Queue the renewal of every lease on ``pipe`` (a redis-py pipeline; the heartbeat sends it
+        with its other commands). Returns the workers in the order of their replies. ``EVALSHA``
+        directly: a pipeline holding ``Script`` objects first asks ``SCRIPT EXISTS``, a round trip more.
+        ``wids``: those workers' leases only (default: every lease held)."""
+        wids = list(self.leased) if wids is None else wids
         ttl_ms = messages.SCHEDULER_TTL_S * 1000
-        wids = list(self.leased)
-        pipe = self.r.pipeline(transaction=False)  # one round trip for all leases
         for wid in wids:
-            self._renew(keys=[messages.worker_lease_key(wid)], args=[self.consumer, ttl_ms], client=pipe)
-        for wid, ok in zip(wids, pipe.execute(), strict=True):
+            pipe.evalsha(self._renew.sha, 1, messages.worker_lease_key(wid), self.consumer, ttl_ms)
+        return wids
+
+    def note_renewals(self, wids: list[str], replies: list) -> None:
+        """Note the leases whose renewal (``replies``, in ``wids`` order, from a pipeline executed with
+        ``raise_on_error=False``) found another holder. A Redis that lost the script (restarted) gets
+        it loaded and the renewals sent again. Raises the first other error reply."""
+        if any(isinstance(rep, redis.exceptions.NoScriptError) for rep in replies):
+            self.r.script_load(_RENEW_LUA)
+            pipe = self.r.pipeline(transaction=False)
+            self.queue_renewals(pipe, wids)
+            replies = pipe.execute(raise_on_error=False)
+        for wid, ok in zip(wids, replies, strict=True):
+            if isinstance(ok, Exception):
+                raise ok
             if not ok:
                 self._lost.add(wid)
 
