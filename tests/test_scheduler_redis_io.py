@@ -157,7 +157,7 @@ def test_compact_wire_decodes_to_the_full_message():
 
 
 def test_publisher_writes_acks_and_reconnects(r):
-    pub = redis_io.Publisher(r)
+    pub = redis_io.LoopConnection(r)
     add_requests(r, 2)
     entries = r.xreadgroup(messages.SCHEDULER_GROUP, "sched-a", {messages.REQUESTS: ">"}, count=2)[0][1]
     ids = [eid for eid, _ in entries]
@@ -217,3 +217,27 @@ def test_lease_renewal_loads_a_script_redis_lost(r):
     r.script_flush()  # a restarted Redis
     leases.renew()
     assert not leases._lost and r.pttl(messages.worker_lease_key("w0")) > 1000
+
+
+def test_claim_command_takes_idle_entries_with_their_fields(r):
+    add_requests(r, 3)
+    r.xreadgroup(messages.SCHEDULER_GROUP, "dead", {messages.REQUESTS: ">"}, count=3)
+    first = r.xrange(messages.REQUESTS)[0][0]
+    r.xdel(messages.REQUESTS, first)  # deleted while pending
+    conn = redis_io.LoopConnection(r)
+    (reply,) = conn.call([redis_io.claim_command("sched-a", 10)])
+    assert redis_io.parse_claim(reply) == ("0-0", [])  # not idle long enough yet
+    r.xclaim(
+        messages.REQUESTS,
+        messages.SCHEDULER_GROUP,
+        "dead",
+        0,
+        [e for e, _ in r.xrange(messages.REQUESTS)] + [first],
+        idle=messages.HANDBACK_IDLE_MS,
+        justid=True,
+    )
+    (reply,) = conn.call([redis_io.claim_command("sched-a", 10)])
+    _, entries = redis_io.parse_claim(reply)
+    assert [messages.RequestMessage.decode(f).seq_id for _, f in entries if f] == [1, 2]
+    assert all(f == {} for e, f in entries if e == first)  # a deleted entry: no fields, or left out
+    conn.close()

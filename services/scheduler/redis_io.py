@@ -10,7 +10,7 @@ Two daemon threads block on Redis so that the service loop never polls it:
 
 Each hands what it read to the service through ``RedisInbox`` and calls the ``wake`` callback (the
 service passes ``EngineCore.wakeup``), so a loop blocked waiting for worker results picks new work up
-at once. On the way out, ``Publisher.publish`` writes the token events of one poll round in one round
+at once. On the way out, ``LoopConnection.publish`` writes the token events of one poll round in one round
 trip on the loop's own connection: one ``XADD`` per gateway, then the acknowledgement of finished
 requests.
 
@@ -165,12 +165,6 @@ def setup_streams(r: redis.Redis) -> None:
             raise
 
 
-def trim_control(r: redis.Redis) -> None:
-    """Drop control entries older than ``CONTROL_KEEP_S`` (every scheduler has read them by then)."""
-    oldest_ms = int((time.time() - CONTROL_KEEP_S) * 1000)
-    r.xtrim(messages.CONTROL, minid=f"{oldest_ms}-0", approximate=True)
-
-
 def _error_type(status: int) -> str:
     return "service_unavailable" if status == 503 else "server_error"
 
@@ -201,12 +195,15 @@ def token_wire(ev: TokenEvent) -> dict:
     return wire
 
 
-class Publisher:
-    """The service loop's writes (token events, acknowledgements) on a Redis connection of its own.
+class LoopConnection:
+    """The service loop's Redis connection: its writes (token events, acknowledgements) and its
+    periodic reads go out on a connection of its own, several commands per round trip.
 
     A redis-py ``Pipeline`` per poll round cost ~0.12 ms of CPU on the 2-vCPU dev machine, a plain
     ``execute_command`` ~0.07 ms (connection pool, retry wrapper, reply callbacks); commands sent on
-    a held connection and their replies read back cost ~0.03 ms. Use from one thread only (the loop's).
+    a held connection and their replies read back cost ~0.03 ms. A round trip after the loop slept
+    costs ~0.5 ms there, so the periodic tasks due together share one. Use from one thread only
+    (the loop's).
 
     Args:
         r: the service's client; the connection is made with its pool's settings (address, password,
@@ -217,14 +214,25 @@ class Publisher:
         pool = r.connection_pool
         self._conn = pool.connection_class(**pool.connection_kwargs)
 
+    def call(self, commands: list[tuple]) -> list:
+        """Send ``commands`` (argument tuples) in one round trip; their replies, as the RESP parser
+        returns them (no redis-py reply callbacks), an error reply as its ``redis.ResponseError`` in
+        place. Raises ``redis.ConnectionError`` / ``redis.TimeoutError`` when Redis is unreachable
+        after one reconnect (a resent command may run twice: send only ones that may)."""
+        if not commands:
+            return []
+        try:
+            return self._round_trip(commands)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return self._round_trip(commands)  # a Redis restart or an idle connection closed: once more
+
     def publish(self, by_gateway: dict[str, list], ack_ids: list[str] = ()) -> None:
         """One round trip: one ``XADD`` per gateway of its events (``TokenMessage``s or ``token_wire``
         dicts), then acknowledge (XACK) and delete (XDEL) the request entries ``ack_ids`` of finished
         sequences, after their last token is written.
 
-        Raises ``redis.ConnectionError`` / ``redis.TimeoutError`` when Redis is unreachable (after one
-        reconnect; a resent ``XADD`` may duplicate events, which the gateway drops by their index), and
-        the first ``redis.ResponseError`` of a command (e.g. NOGROUP) after every reply was read.
+        Raises what ``call`` raises (a resent ``XADD`` duplicates events, which the gateway drops by
+        their index) and the first ``redis.ResponseError`` of a command (e.g. WRONGTYPE).
         """
         if not by_gateway and not ack_ids:
             return
@@ -244,26 +252,65 @@ class Publisher:
         if ack_ids:
             commands.append(("XACK", messages.REQUESTS, messages.SCHEDULER_GROUP, *ack_ids))
             commands.append(("XDEL", messages.REQUESTS, *ack_ids))
-        try:
-            self._round_trip(commands)
-        except (redis.ConnectionError, redis.TimeoutError):
-            self._round_trip(commands)  # a Redis restart or an idle connection closed: once more
+        raise_first_error(self.call(commands))
 
-    def _round_trip(self, commands: list[tuple]) -> None:
+    def _round_trip(self, commands: list[tuple]) -> list:
         conn = self._conn
+        replies = []
         try:
             conn.send_packed_command(conn.pack_commands(commands))
-            error = None
             for _ in commands:
                 try:
-                    conn.read_response()
+                    replies.append(conn.read_response())
                 except redis.ResponseError as e:  # the reply was read whole: the connection is in step
-                    error = error or e
+                    replies.append(e)
         except BaseException:
             conn.disconnect()  # replies may be left unread: the next round trip starts afresh
             raise
-        if error is not None:
-            raise error
+        return replies
 
     def close(self) -> None:
         self._conn.disconnect()
+
+
+def raise_first_error(replies: list) -> None:
+    """Raise the first ``redis.ResponseError`` among ``replies`` (``LoopConnection.call``'s), if any."""
+    for rep in replies:
+        if isinstance(rep, redis.ResponseError):
+            raise rep
+
+
+def raise_first_error_of(reply) -> None:
+    """Raise ``reply`` when it is an error reply (a reply nothing else is read from)."""
+    raise_first_error([reply])
+
+
+def claim_command(consumer: str, count: int, start: str = "0-0") -> tuple:
+    """``XAUTOCLAIM`` of request entries idle ``messages.CLAIM_IDLE_MS`` (a dead scheduler's) for
+    ``consumer``, at most ``count``, from ``start``; its reply goes through ``parse_claim``."""
+    return (
+        "XAUTOCLAIM",
+        messages.REQUESTS,
+        messages.SCHEDULER_GROUP,
+        consumer,
+        messages.CLAIM_IDLE_MS,
+        start,
+        "COUNT",
+        count,
+    )
+
+
+def parse_claim(reply: list) -> tuple[str, list[tuple[str, dict]]]:
+    """``(next start id, [(entry_id, fields), ...])`` of a raw ``XAUTOCLAIM`` reply. An entry deleted
+    while pending is left out (Redis 7 lists its id in a third element and drops it from the pending
+    list; 6.2 answers nil in its place, without the id) or has fields ``{}``."""
+    start, entries = reply[0], reply[1]
+    return start, [
+        (e[0], dict(zip(e[1][::2], e[1][1::2], strict=True)) if e[1] else {}) for e in entries if e
+    ]
+
+
+def trim_control_command() -> tuple:
+    """``XTRIM`` of control entries older than ``CONTROL_KEEP_S`` (every scheduler has read them by then)."""
+    oldest_ms = int((time.time() - CONTROL_KEEP_S) * 1000)
+    return ("XTRIM", messages.CONTROL, "MINID", "~", f"{oldest_ms}-0")

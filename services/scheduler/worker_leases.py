@@ -68,19 +68,35 @@ class WorkerLeases:
         self._discover = r.register_script(_DISCOVER_LUA)
         self._decoded: dict[str, messages.WorkerRecord] = {}  # record JSON → record, of the last read
 
-    def read_records(self) -> tuple[dict[str, messages.WorkerRecord], int]:
-        """The workers' records by worker id and the number of live schedulers, in one round trip (a
-        record unchanged since the last read is not decoded again)."""
-        live, raws = self._discover(args=[f"{messages.WORKER_PREFIX}*", messages.scheduler_live_key("*")])
+    def discover_command(self) -> tuple:
+        """Discovery's one command, to send with others (``redis_io.LoopConnection.call``); its reply
+        goes to ``discover``."""
+        return ("EVALSHA", self._discover.sha, 0, *self._discover_args())
+
+    @staticmethod
+    def _discover_args() -> list[str]:
+        return [f"{messages.WORKER_PREFIX}*", messages.scheduler_live_key("*")]
+
+    def read_records(self, reply=None) -> tuple[dict[str, messages.WorkerRecord], int]:
+        """The workers' records by worker id and the number of live schedulers (a record unchanged
+        since the last read is not decoded again).
+
+        reply: the reply to ``discover_command`` when it was sent already; None (or a Redis that had
+        lost the script: NOSCRIPT) reads now, in one round trip. Raises another error reply."""
+        if reply is None or isinstance(reply, redis.exceptions.NoScriptError):
+            reply = self._discover(args=self._discover_args())  # loads the script when Redis lacks it
+        elif isinstance(reply, Exception):
+            raise reply
+        live, raws = reply
         decoded = {raw: self._decoded.get(raw) or messages.WorkerRecord.decode(raw) for raw in raws if raw}
         self._decoded = decoded
         return {rec.worker_id: rec for rec in decoded.values()}, int(live)
 
-    def discover(self) -> None:
+    def discover(self, reply=None) -> None:
         """Follow the worker records: drop workers whose record expired, moved, or whose lease was
         lost; claim unleased workers up to this scheduler's share; give an idle worker back when
-        holding more than the share."""
-        records, live = self.read_records()
+        holding more than the share. ``reply``: as ``read_records``."""
+        records, live = self.read_records(reply)
         workers = self.core.workers
         lost_now, self._lost = self._lost, set()
         for wid in list(workers):
