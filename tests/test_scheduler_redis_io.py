@@ -241,3 +241,13 @@ def test_claim_command_takes_idle_entries_with_their_fields(r):
     assert [messages.RequestMessage.decode(f).seq_id for _, f in entries if f] == [1, 2]
     assert all(f == {} for e, f in entries if e == first)  # a deleted entry: no fields, or left out
     conn.close()
+
+
+def test_pack_commands_is_redis_py_packing(r):
+    commands = [
+        ("XADD", "s", "MAXLEN", "~", 100000, "*", "data", '{"é": 1}'),
+        ("XACK", messages.REQUESTS, messages.SCHEDULER_GROUP, "1-1", "2-0"),
+        ("SET", "k", b"\x00\xff", "EX", 10),
+    ]
+    conn = r.connection_pool.connection_class(**r.connection_pool.connection_kwargs)
+    assert redis_io.pack_commands(commands) == b"".join(conn.pack_commands(commands))
