@@ -217,6 +217,13 @@ def test_lease_renewal_loads_a_script_redis_lost(r):
     r.script_flush()  # a restarted Redis
     leases.renew()
     assert not leases._lost and r.pttl(messages.worker_lease_key("w0")) > 1000
+    r.script_flush()  # the heartbeat's way: the commands on its own connection
+    r.pexpire(messages.worker_lease_key("w0"), 1000)
+    wids, commands = leases.renew_commands()
+    replies = redis_io.LoopConnection(r).call(commands)
+    assert isinstance(replies[0], redis.exceptions.NoScriptError)
+    leases.note_renewals(wids, replies)
+    assert not leases._lost and r.pttl(messages.worker_lease_key("w0")) > 1000
 
 
 def test_claim_command_takes_idle_entries_with_their_fields(r):

@@ -196,14 +196,13 @@ def token_wire(ev: TokenEvent) -> dict:
 
 
 class LoopConnection:
-    """The service loop's Redis connection: its writes (token events, acknowledgements) and its
-    periodic reads go out on a connection of its own, several commands per round trip.
+    """A thread's own Redis connection, several commands per round trip: the service loop's (its
+    writes: token events, acknowledgements; its periodic reads) and the heartbeat thread's.
 
     A redis-py ``Pipeline`` per poll round cost ~0.12 ms of CPU on the 2-vCPU dev machine, a plain
     ``execute_command`` ~0.07 ms (connection pool, retry wrapper, reply callbacks); commands sent on
     a held connection and their replies read back cost ~0.03 ms. A round trip after the loop slept
-    costs ~0.5 ms there, so the periodic tasks due together share one. Use from one thread only
-    (the loop's).
+    costs ~0.5 ms there, so the periodic tasks due together share one. Use from one thread only.
 
     Args:
         r: the service's client; the connection is made with its pool's settings (address, password,

@@ -163,35 +163,40 @@ class WorkerLeases:
     def renew(self) -> None:
         """Extend every lease this scheduler holds, in one round trip; a lease another scheduler
         took is noted and its worker dropped by the next ``discover``."""
-        pipe = self.r.pipeline(transaction=False)
-        wids = self.queue_renewals(pipe)
-        self.note_renewals(wids, pipe.execute(raise_on_error=False))
+        wids, commands = self.renew_commands()
+        self.note_renewals(wids, self._send(commands))
 
-    def queue_renewals(self, pipe, wids: list[str] | None = None) -> list[str]:
-        """Queue the renewal of every lease on ``pipe`` (a redis-py pipeline; the heartbeat sends it
-        with its other commands). Returns the workers in the order of their replies. ``EVALSHA``
-        directly: a pipeline holding ``Script`` objects first asks ``SCRIPT EXISTS``, a round trip more.
-        ``wids``: those workers' leases only (default: every lease held)."""
+    def renew_commands(self, wids: list[str] | None = None) -> tuple[list[str], list[tuple]]:
+        """The renewal of every lease (``wids``: those workers' only), as commands to send with
+        others (the heartbeat's round trip): ``(workers, commands)``, one command per worker, their
+        replies for ``note_renewals``. ``EVALSHA`` directly: a redis-py pipeline holding ``Script``
+        objects first asks ``SCRIPT EXISTS``, a round trip more."""
         wids = list(self.leased) if wids is None else wids
         ttl_ms = messages.SCHEDULER_TTL_S * 1000
-        for wid in wids:
-            pipe.evalsha(self._renew.sha, 1, messages.worker_lease_key(wid), self.consumer, ttl_ms)
-        return wids
+        commands = [
+            ("EVALSHA", self._renew.sha, 1, messages.worker_lease_key(wid), self.consumer, ttl_ms)
+            for wid in wids
+        ]
+        return wids, commands
 
     def note_renewals(self, wids: list[str], replies: list) -> None:
-        """Note the leases whose renewal (``replies``, in ``wids`` order, from a pipeline executed with
-        ``raise_on_error=False``) found another holder. A Redis that lost the script (restarted) gets
-        it loaded and the renewals sent again. Raises the first other error reply."""
+        """Note the leases whose renewal (``replies``, in ``wids`` order, error replies in place) found
+        another holder. A Redis that lost the script (restarted) gets it loaded and the renewals sent
+        again. Raises the first other error reply."""
         if any(isinstance(rep, redis.exceptions.NoScriptError) for rep in replies):
             self.r.script_load(_RENEW_LUA)
-            pipe = self.r.pipeline(transaction=False)
-            self.queue_renewals(pipe, wids)
-            replies = pipe.execute(raise_on_error=False)
+            replies = self._send(self.renew_commands(wids)[1])
         for wid, ok in zip(wids, replies, strict=True):
             if isinstance(ok, Exception):
                 raise ok
             if not ok:
                 self._lost.add(wid)
+
+    def _send(self, commands: list[tuple]) -> list:
+        pipe = self.r.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return pipe.execute(raise_on_error=False)
 
     def release_all(self) -> None:
         """Give up every worker (a clean stop: other schedulers take them over at once)."""
