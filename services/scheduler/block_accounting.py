@@ -77,6 +77,12 @@ class BlockAccount:
         revived = sum(1 for b in shared if self.ref_counts[b] == 0)
         return max(0, self.blocks_for(num_tokens) - len(shared)) + revived
 
+    def covers(self, seq_id: int, num_tokens: int) -> bool:
+        """``seq_id``'s table already holds ``num_tokens`` tokens: reserving them takes no block (the
+        common decode step, checked before ``can_reserve``)."""
+        table = self.tables.get(seq_id)
+        return table is not None and len(table) * self.block_size >= num_tokens
+
     def can_reserve(self, seq_id: int, num_tokens: int, watermark: int = 0, shared: list[int] = ()) -> bool:
         return self.extra_needed(seq_id, num_tokens, shared) + watermark <= self.num_free
 

@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-@dataclass
 class InFlight:
     """A plan sent to a worker and not answered yet.
 
@@ -253,7 +252,7 @@ class Scheduler:
                 schedule_decodes(self, slot, draft)
             if not draft.entries and not slot.pending_free:
                 continue
-            chunks = [self._chunk(seq, n) for seq, n in draft.entries]
+            chunks = [self._chunk(slot, seq, n) for seq, n in draft.entries]
             plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
             slot.num_steps += 1
             slot.pending_free = []
@@ -263,7 +262,7 @@ class Scheduler:
             )
             plans[slot.name] = plan
             for observe in self.pass_observers:
-                observe(slot.name, draft.token_budget, plan.num_tokens)
+                observe(slot.name, draft.token_budget, draft.num_tokens)
         return plans
 
     def new_draft(self, slot: WorkerSlot) -> Draft:
@@ -273,30 +272,33 @@ class Scheduler:
             return Draft(self.slo.pass_budget(self, slot), self.config.max_num_seqs)
         return Draft(slot.token_budget, self.config.max_num_seqs)
 
-    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
-        """The chunk of ``n`` tokens of ``seq`` that comes next; advances its planned counters."""
+    def _chunk(self, slot: WorkerSlot, seq: Sequence, n: int) -> SeqChunk:
+        """The chunk of ``n`` tokens of ``seq`` (running on ``slot``) that comes next; advances its
+        planned counters."""
         start = seq.num_computed_tokens
         end = start + n
+        num_out = len(seq.output_token_ids)
+        pending = seq.num_pending
+        num_tokens = len(seq.prompt_token_ids) + num_out
+        planned = num_tokens + pending
+        in_prefill = planned - start > 1 or not (num_out or pending)  # ``Sequence.in_prefill``
         # the worker feeds the token it sampled last: one sampled by a plan in flight, or one sampled
         # since admission (a recompute cut one token short of its end looks like a decode, but its
         # last token was sampled before the worker restarted it)
-        decode = seq.num_pending > 0 or (not seq.in_prefill and seq.num_tokens > seq.num_tokens_at_admission)
-        sample = end == seq.num_planned_tokens
-        first = start == seq.num_start_tokens  # the first chunk since admission (after its cached prefix)
-        chunk = SeqChunk(
-            seq_id=seq.seq_id,
-            start_pos=start,
-            num_tokens=n,
-            token_ids=[] if decode else seq.token_slice(start, end),
-            sample=sample,
-            params=seq.params if first else None,
-            prompt_len=seq.prompt_len if first else 0,
-            block_ids=self.slots[seq.worker].account.unsent(seq.seq_id),
-            prefix_token_ids=seq.token_slice(0, start) if first else [],
-        )
+        decode = pending > 0 or (not in_prefill and num_tokens > seq.num_tokens_at_admission)
+        sample = end == planned
+        token_ids = [] if decode else seq.token_slice(start, end)
+        block_ids = slot.account.unsent(seq.seq_id)
+        if start == seq.num_start_tokens:  # the first chunk since admission (after its cached prefix)
+            chunk = SeqChunk(
+                seq.seq_id, start, n, token_ids, sample, seq.params, seq.prompt_len, block_ids,
+                seq.token_slice(0, start),
+            )  # fmt: skip
+        else:
+            chunk = SeqChunk(seq.seq_id, start, n, token_ids, sample, None, 0, block_ids, [])
         seq.num_computed_tokens = end
         if sample:
-            seq.num_pending += 1
+            seq.num_pending = pending + 1
         return chunk
 
     def _commit_planned(self, slot: WorkerSlot, seq: Sequence) -> list[int]:
@@ -538,22 +540,25 @@ class Scheduler:
         if self.slo is not None:
             slot.latency.observe(PassShape.of_plan(record.plan), result.forward_seconds)
         sampled = {t.seq_id: t for t in result.tokens}
-        scored = {p.seq_id: p for p in result.prompt_logprobs}
+        scored = {p.seq_id: p for p in result.prompt_logprobs} if result.prompt_logprobs else None
         events = []
+        running = SeqStatus.RUNNING
         for seq, _, admitted_at in record.entries:
-            if seq.seq_id in scored and self._live(seq, worker, admitted_at):  # before its first token
+            live = seq.status is running and seq.worker == worker and seq.admitted_at == admitted_at
+            if scored and seq.seq_id in scored and live:  # before its first token
                 events.append(TokenEvent(seq.seq_id, None, prompt_logprobs=scored[seq.seq_id]))
             tok = sampled.get(seq.seq_id)
             if tok is None:
                 continue
-            if not self._live(seq, worker, admitted_at):
+            if not live:
                 if seq.status is SeqStatus.FINISHED:
                     self.num_surplus_tokens += 1
                 continue
             seq.num_pending -= 1
-            seq.output_token_ids.append(tok.token_id)
+            out = seq.output_token_ids
+            out.append(tok.token_id)
             reason, hidden = self._stop_reason(seq, tok.token_id)
-            index = len(seq.output_token_ids) - 1
+            index = len(out) - 1
             cached = (seq.num_cached_tokens or 0) if index == 0 else 0
             events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
             if reason is not None:
@@ -566,7 +571,7 @@ class Scheduler:
         if n_out >= p.min_new_tokens:
             if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
                 return FinishReason.STOP, True
-        if n_out >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        if n_out >= p.max_new_tokens or len(seq.prompt_token_ids) + n_out >= self._max_model_len:
             return FinishReason.LENGTH, False
         return None, False
 
