@@ -59,7 +59,9 @@ class _InstantWorker:
             return False
         plan, fut = self.pending.pop(0)
         tokens = [
-            SampledToken(c.seq_id, 1 + (c.seq_id * 7919 + c.start_pos) % 30000) for c in plan.chunks if c.sample
+            SampledToken(c.seq_id, 1 + (c.seq_id * 7919 + c.start_pos) % 30000)
+            for c in plan.chunks
+            if c.sample
         ]
         fut.set_result(StepResult(plan.step_id, tokens, forward_seconds=0.01, idle_seconds=0.0))
         return True
@@ -85,7 +87,9 @@ def run(args) -> dict:
     workers = {}
     for i in range(args.workers):
         workers[f"w{i}"] = _InstantWorker()
-        core.add_worker(f"w{i}", workers[f"w{i}"], num_blocks=args.blocks, block_size=16, max_model_len=1 << 20)
+        core.add_worker(
+            f"w{i}", workers[f"w{i}"], num_blocks=args.blocks, block_size=16, max_model_len=1 << 20
+        )
     next_id = 0
 
     def add(prompt_len: int, new_tokens: int) -> None:

@@ -162,8 +162,12 @@ class BlockAccount:
 
     def unsent(self, seq_id: int) -> list[int]:
         """Block ids added to ``seq_id``'s table since the last call (they ride on its next chunk)."""
-        table = self.tables.get(seq_id, [])
-        sent = self._num_sent.get(seq_id, 0)
+        table = self.tables.get(seq_id)
+        if table is None:
+            return []
+        sent = self._num_sent[seq_id]
+        if sent == len(table):
+            return []
         self._num_sent[seq_id] = len(table)
         return table[sent:]
 

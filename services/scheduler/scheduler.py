@@ -252,11 +252,18 @@ class Scheduler:
                 schedule_decodes(self, slot, draft)
             if not draft.entries and not slot.pending_free:
                 continue
-            chunks = [self._chunk(slot, seq, n) for seq, n in draft.entries]
+            chunks = []
+            hashed: list[int] = []
+            account = slot.account
+            for seq, n in draft.entries:
+                chunks.append(self._chunk(slot, seq, n))
+                # hash the blocks its plans fill; a decode input sampled in flight is not known yet
+                end = min(seq.num_computed_tokens, seq.num_tokens)
+                if account.needs_commit(seq.seq_id, end):
+                    hashed += self._commit_planned(slot, seq, end)
             plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
             slot.num_steps += 1
             slot.pending_free = []
-            hashed = [b for seq, _ in draft.entries for b in self._commit_planned(slot, seq)]
             slot.inflight.append(
                 InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed)
             )
@@ -301,11 +308,9 @@ class Scheduler:
             seq.num_pending = pending + 1
         return chunk
 
-    def _commit_planned(self, slot: WorkerSlot, seq: Sequence) -> list[int]:
-        """Hash the blocks of ``seq`` that its plans sent so far fill (tokens known); returns their ids."""
-        end = min(seq.num_computed_tokens, seq.num_tokens)  # a decode input sampled in flight is unknown
-        if not slot.account.needs_commit(seq.seq_id, end):
-            return []
+    def _commit_planned(self, slot: WorkerSlot, seq: Sequence, end: int) -> list[int]:
+        """Hash the blocks of ``seq`` that its first ``end`` tokens fill (computed by the plans sent so
+        far, and known); returns their ids."""
         root = root_hash(self.model_id, seq.cache_salt)
         return slot.account.commit(seq.seq_id, seq.full_block_hashes(slot.account.block_size, root), end)
 
