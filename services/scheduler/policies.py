@@ -82,11 +82,14 @@ class Policy(ABC):
         """The next pass of each worker of ``slots``, by worker name."""
 
 
-def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> None:
+def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> list[Sequence]:
     """One token per running sequence past its prompt, oldest first (rule 1), growing blocks (rule 3).
 
     A sequence whose plan in flight ends it by length (``max_new_tokens`` or the context window) is
     not planned again: its token would be surplus.
+
+    Returns the running sequences in prefill passed over, in admission order (all of them, unless
+    the pass filled up first: then no prompt chunk fits anyway).
     """
     # the per-step hot path: ``Sequence.in_prefill`` / ``num_planned_tokens`` and
     # ``Scheduler.ends_in_flight`` computed inline, and a sequence whose blocks already hold its next
@@ -95,6 +98,7 @@ def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> None:
     max_model_len = sched.max_model_len
     name = slot.name
     entries = draft.entries
+    prompts = []
     for seq in list(slot.running):
         if seq.worker != name:  # preempted by an older sequence of this loop
             continue
@@ -102,11 +106,12 @@ def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> None:
         pending = seq.num_pending
         planned = len(seq.prompt_token_ids) + num_out + pending
         if planned - seq.num_computed_tokens > 1 or not (num_out or pending):
-            continue  # in prefill
+            prompts.append(seq)  # in prefill
+            continue
         if pending and (num_out + pending >= seq.params.max_new_tokens or planned >= max_model_len):
             continue  # ends in flight
         if draft.num_tokens >= draft.token_budget or len(entries) >= draft.max_num_seqs:
-            return
+            return prompts
         if account.covers(seq.seq_id, planned) or sched.reserve_or_preempt(slot, seq, planned, draft):
             entries = draft.entries  # ``drop`` may have replaced the list
             entries.append((seq, 1))
@@ -114,12 +119,20 @@ def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> None:
         else:
             entries = draft.entries
             draft.blocked = True
+    return prompts
 
 
-def continue_prompts(slot: WorkerSlot, draft: Draft, key: Callable[[Sequence], float] | None = None) -> None:
+def continue_prompts(
+    slot: WorkerSlot,
+    draft: Draft,
+    key: Callable[[Sequence], float] | None = None,
+    prompts: list[Sequence] | None = None,
+) -> None:
     """Continuing prompt chunks (their blocks were reserved at admission), in admission order, or
-    by ``key`` (earliest TTFT deadline first with latency targets)."""
-    for seq in sorted(slot.running, key=key) if key else slot.running:
+    by ``key`` (earliest TTFT deadline first with latency targets). ``prompts``: the candidates
+    ``schedule_decodes`` passed over (default: every running sequence)."""
+    candidates = slot.running if prompts is None else [s for s in prompts if s.worker == slot.name]
+    for seq in sorted(candidates, key=key) if key else candidates:
         if seq.in_prefill and draft.has_room:
             draft.add(seq, min(seq.num_uncomputed, draft.budget_left))
 
@@ -167,8 +180,8 @@ class SplitFuse(Policy):
             key = sched.slo.deadline
         drafts = {s.name: sched.new_draft(s) for s in slots}
         for slot in slots:
-            schedule_decodes(sched, slot, drafts[slot.name])
-            continue_prompts(slot, drafts[slot.name], key)
+            prompts = schedule_decodes(sched, slot, drafts[slot.name])
+            continue_prompts(slot, drafts[slot.name], key, prompts)
         admit_new(sched, slots, drafts, split=True, fits=None)
         return drafts
 

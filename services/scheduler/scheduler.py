@@ -548,6 +548,8 @@ class Scheduler:
         scored = {p.seq_id: p for p in result.prompt_logprobs} if result.prompt_logprobs else None
         events = []
         running = SeqStatus.RUNNING
+        eos_ids = self.eos_token_ids
+        max_model_len = self._max_model_len
         for seq, _, admitted_at in record.entries:
             live = seq.status is running and seq.worker == worker and seq.admitted_at == admitted_at
             if scored and seq.seq_id in scored and live:  # before its first token
@@ -562,23 +564,22 @@ class Scheduler:
             seq.num_pending -= 1
             out = seq.output_token_ids
             out.append(tok.token_id)
-            reason, hidden = self._stop_reason(seq, tok.token_id)
-            index = len(out) - 1
+            # the stop rules: EOS / a stop id once ``min_new_tokens`` exist (hidden), else length
+            p = seq.params
+            n_out = len(out)
+            reason, hidden = None, False
+            if n_out >= p.min_new_tokens and (
+                (tok.token_id in eos_ids and not p.ignore_eos) or tok.token_id in p.stop_token_ids
+            ):
+                reason, hidden = FinishReason.STOP, True
+            elif n_out >= p.max_new_tokens or len(seq.prompt_token_ids) + n_out >= max_model_len:
+                reason = FinishReason.LENGTH
+            index = n_out - 1
             cached = (seq.num_cached_tokens or 0) if index == 0 else 0
             events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
             if reason is not None:
                 self._finish(seq, reason)
         return events
-
-    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, bool]:
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_new_tokens:
-            if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
-                return FinishReason.STOP, True
-        if n_out >= p.max_new_tokens or len(seq.prompt_token_ids) + n_out >= self._max_model_len:
-            return FinishReason.LENGTH, False
-        return None, False
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._detach(seq)
