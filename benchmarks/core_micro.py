@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import timeit
 from concurrent.futures import Future
 
 
@@ -120,6 +121,7 @@ def run(args) -> dict:
             for _ in range(finished):
                 add(args.prompt_len, args.new_tokens)
     cpu = sorted(cpu[args.warmup :])
+    speed = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000
     return {
         "workload": args.workload,
         "workers": args.workers,
@@ -128,6 +130,7 @@ def run(args) -> dict:
         "p50_ms": statistics.median(cpu) * 1e3,
         "p99_ms": cpu[int(0.99 * (len(cpu) - 1))] * 1e3,
         "mean_ms": statistics.fmean(cpu) * 1e3,
+        "machine_us": speed * 1e6,  # ``sum(range(1000))``: the machine's speed at the time (load)
     }
 
 
@@ -150,7 +153,7 @@ def main() -> None:
     args = p.parse_args()
     if args.compare:
         base = [a for a in sys.argv[1:] if a not in ("--compare", args.compare)]
-        cols: dict[str, list[float]] = {"base": [], "here": []}
+        cols: dict[str, list[tuple[float, float]]] = {"base": [], "here": []}
         for _ in range(args.rounds):
             for label, extra in (("base", ["--tree", args.compare]), ("here", [])):
                 out = subprocess.run(
@@ -159,9 +162,11 @@ def main() -> None:
                     capture_output=True,
                     text=True,
                 ).stdout
-                cols[label].append(json.loads(out.strip().splitlines()[-1])["p50_ms"])
+                row = json.loads(out.strip().splitlines()[-1])
+                cols[label].append((row["p50_ms"], row["machine_us"]))
         for label, xs in cols.items():
-            print(f"{label}: p50 ms/worker-step " + " ".join(f"{x:.4f}" for x in xs))
+            runs = " ".join(f"{p50:.4f} ({us:.0f} us)" for p50, us in xs)
+            print(f"{label}: p50 ms/worker-step (machine sum(range(1000))) {runs}")
         return
     if args.profile:
         import cProfile
