@@ -92,7 +92,7 @@ class Postprocess:
             raise SchedulerError(
                 f"worker {worker}: result of step {result.step_id}, expected {record.plan.step_id}"
             )
-        slot.step_time.observe(record.plan.num_tokens, result.forward_seconds)
+        slot.step_time.observe(record.num_tokens, result.forward_seconds)
         if self.slo is not None:
             slot.latency.observe(PassShape.of_plan(record.plan), result.forward_seconds)
         sampled = {t.seq_id: t for t in result.tokens}

@@ -217,20 +217,15 @@ class Scheduler(Admission, Postprocess):
                 schedule_decodes(self, slot, draft)
             if not draft.entries and not slot.pending_free:
                 continue
-            chunks = []
             hashed: list[int] = []
-            account = slot.account
-            for seq, n in draft.entries:
-                chunks.append(self._chunk(slot, seq, n))
-                # hash the blocks its plans fill; a decode input sampled in flight is not known yet
-                end = min(seq.num_computed_tokens, seq.num_tokens)
-                if account.needs_commit(seq.seq_id, end):
-                    hashed += self._commit_planned(slot, seq, end)
+            chunks = [self._chunk(slot, seq, n, hashed) for seq, n in draft.entries]
             plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
             slot.num_steps += 1
             slot.pending_free = []
             slot.inflight.append(
-                InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed)
+                InFlight(
+                    plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed, draft.num_tokens
+                )
             )
             plans[slot.name] = plan
             for observe in self.pass_observers:
@@ -244,9 +239,9 @@ class Scheduler(Admission, Postprocess):
             return Draft(self.slo.pass_budget(self, slot), self.config.max_num_seqs)
         return Draft(slot.token_budget, self.config.max_num_seqs)
 
-    def _chunk(self, slot: WorkerSlot, seq: Sequence, n: int) -> SeqChunk:
+    def _chunk(self, slot: WorkerSlot, seq: Sequence, n: int, hashed: list[int]) -> SeqChunk:
         """The chunk of ``n`` tokens of ``seq`` (running on ``slot``) that comes next; advances its
-        planned counters."""
+        planned counters and adds to ``hashed`` the blocks it fills that enter the prefix cache."""
         start = seq.num_computed_tokens
         end = start + n
         num_out = len(seq.output_token_ids)
@@ -271,6 +266,10 @@ class Scheduler(Admission, Postprocess):
         seq.num_computed_tokens = end
         if sample:
             seq.num_pending = pending + 1
+        # a decode input sampled in flight is not known yet: hashing stops at the known tokens
+        known = end if end < num_tokens else num_tokens
+        if slot.account.needs_commit(seq.seq_id, known):
+            hashed += self._commit_planned(slot, seq, known)
         return chunk
 
     def _commit_planned(self, slot: WorkerSlot, seq: Sequence, end: int) -> list[int]:

@@ -20,11 +20,13 @@ class InFlight:
     entries: ``(sequence, num_tokens, admitted_at)``; a result applies to a sequence only while it is
     still running on that worker under the same admission (not preempted, moved or finished since).
     hashed: blocks this plan fills that were added to the prefix cache when it was built.
+    num_tokens: tokens in the plan (``plan.num_tokens``, counted once).
     """
 
     plan: StepPlan
     entries: list[tuple[Sequence, int, int]]
     hashed: list[int] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 @dataclass
