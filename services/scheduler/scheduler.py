@@ -258,10 +258,17 @@ class Scheduler(Admission, Postprocess):
         block_ids = slot.account.unsent(seq.seq_id)
         if start == seq.num_start_tokens:  # the first chunk since admission (after its cached prefix)
             chunk = SeqChunk(
-                seq.seq_id, start, n, token_ids, sample, seq.params, seq.prompt_len, block_ids,
-                seq.token_slice(0, start),
-            )  # fmt: skip
-        else:
+                seq_id=seq.seq_id,
+                start_pos=start,
+                num_tokens=n,
+                token_ids=token_ids,
+                sample=sample,
+                params=seq.params,
+                prompt_len=seq.prompt_len,
+                block_ids=block_ids,
+                prefix_token_ids=seq.token_slice(0, start),
+            )
+        else:  # the per-step case, built positionally: no params, prompt_len 0, no prefix tokens
             chunk = SeqChunk(seq.seq_id, start, n, token_ids, sample, None, 0, block_ids, [])
         seq.num_computed_tokens = end
         if sample:

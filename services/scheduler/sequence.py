@@ -36,10 +36,11 @@ class Sequence:
     num_cached_tokens: prompt tokens found in the prefix cache at its first admission (usage's
         ``cached_tokens``); num_start_tokens: tokens cached at its last admission, where its first
         chunk starts.
-    Two sequences are equal only when they are the same object (the scheduler's lists are searched
-    by identity).
     arrival_time: when the scheduler queued it, on the scheduler's clock (seconds); the TTFT
         deadline counts from here (``fuseserve.scheduler.slo_budget``).
+
+    Two sequences are equal only when they are the same object (the scheduler's lists are searched
+    by identity).
     """
 
     seq_id: int
