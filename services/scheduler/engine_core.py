@@ -315,12 +315,18 @@ class EngineCore:
 
     def _dispatch(self) -> None:
         """Send plans to every worker that may need one (new requests, work placed on it, frees)."""
-        names = list(self.scheduler.slots) if self._dispatch_all else list(self.scheduler.touched)
+        names = list(self.scheduler.slots) if self._dispatch_all else self._touched()
         self._dispatch_all = False
         while names:
             self.scheduler.touched.clear()
             self._dispatch_workers(names)
-            names = list(self.scheduler.touched)  # planning placed prompts on other workers
+            names = self._touched()  # planning placed prompts on other workers
+
+    def _touched(self) -> list[str]:
+        """The workers given work since the last dispatch, in registration order (a set's order
+        follows the string hash, which changes from process to process: plans would too)."""
+        touched = self.scheduler.touched
+        return [n for n in self.scheduler.slots if n in touched] if touched else []
 
     def _dispatch_worker(self, name: str) -> None:
         self._dispatch_workers([name])
