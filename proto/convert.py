@@ -107,6 +107,7 @@ def step_plan_to_proto(plan: StepPlan) -> pb.StepRequest:
         step_id=plan.step_id,
         chunks=[seq_chunk_to_proto(c) for c in plan.chunks],
         free_seq_ids=plan.free_seq_ids,
+        num_passes=plan.num_passes,
     )
 
 
@@ -116,6 +117,7 @@ def step_plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         step_id=msg.step_id,
         chunks=[seq_chunk_from_proto(c) for c in msg.chunks],
         free_seq_ids=list(msg.free_seq_ids),
+        num_passes=max(1, msg.num_passes),
     )
 
 
@@ -159,6 +161,7 @@ def step_result_to_proto(result: StepResult, num_free_blocks: int = 0) -> pb.Ste
             )
             for p in result.prompt_logprobs
         ],
+        num_passes=result.num_passes,
     )
 
 
@@ -175,6 +178,7 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
             )
             for p in msg.prompt_logprobs
         ],
+        num_passes=max(1, msg.num_passes),
     )
 
 

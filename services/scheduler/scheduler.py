@@ -37,6 +37,7 @@ from typing import Any
 from fuseserve.block_hash import root_hash
 from fuseserve.config import EngineConfig
 from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
+from fuseserve.scheduler import multi_pass
 from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.placement import StepTimeModel, near_least_loaded, seconds_per_share
 from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
@@ -56,11 +57,13 @@ class InFlight:
     entries: ``(sequence, num_tokens, admitted_at)``; a result applies to a sequence only while it is
     still running on that worker under the same admission (not preempted, moved or finished since).
     hashed: blocks this plan fills that were added to the prefix cache when it was built.
+    passes: with ``plan.num_passes > 1``, the passes planned per sequence id (``multi_pass.py``).
     """
 
     plan: StepPlan
     entries: list[tuple[Sequence, int, int]]
     hashed: list[int] = field(default_factory=list)
+    passes: dict[int, int] | None = None
 
 
 @dataclass
@@ -253,13 +256,17 @@ class Scheduler:
                 schedule_decodes(self, slot, draft)
             if not draft.entries and not slot.pending_free:
                 continue
+            passes = multi_pass.plan_passes(self, slot, draft)  # None: one pass (decode_passes = 1)
             chunks = [self._chunk(seq, n) for seq, n in draft.entries]
             plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
+            if passes is not None:
+                multi_pass.advance(draft, passes)
+                plan.num_passes = max(passes.values())
             slot.num_steps += 1
             slot.pending_free = []
             hashed = [b for seq, _ in draft.entries for b in self._commit_planned(slot, seq)]
             slot.inflight.append(
-                InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed)
+                InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed, passes)
             )
             plans[slot.name] = plan
             for observe in self.pass_observers:
@@ -534,6 +541,12 @@ class Scheduler:
             raise SchedulerError(
                 f"worker {worker}: result of step {result.step_id}, expected {record.plan.step_id}"
             )
+        if record.passes is not None:  # per pass: placement and the latency fit see one pass
+            seconds = result.forward_seconds / max(1, result.num_passes)
+            slot.step_time.observe(record.plan.num_tokens, seconds)
+            if self.slo is not None:
+                slot.latency.observe(PassShape.of_plan(record.plan), seconds)
+            return multi_pass.apply_passes(self, worker, record, result)
         slot.step_time.observe(record.plan.num_tokens, result.forward_seconds)
         if self.slo is not None:
             slot.latency.observe(PassShape.of_plan(record.plan), result.forward_seconds)
