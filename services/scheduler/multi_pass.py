@@ -7,8 +7,9 @@ tokens (``services/worker/multi_pass.py``). Rules:
 
 - only when the waiting queue is empty and no sequence of the worker has prompt tokens left, so a
   SplitFuse admission is never delayed by more than the passes already in flight;
-- each sequence's passes are capped by its ``max_new_tokens`` (the worker stops it there too); the
-  plan's passes by the context window of every sequence;
+- the plan's passes end with the first sequence that ends by length (``max_new_tokens`` or the
+  context window): in a closed loop the next request arrives as one finishes, and is then not
+  delayed by passes planned past that point;
 - blocks for every pass are reserved now (they ride on the plan's chunks); when the free blocks are
   short the plan takes fewer passes, down to one: never a preemption for multi-step;
 - a sequence's counters advance by all its passes (``num_computed_tokens``, ``num_pending``), so
@@ -36,8 +37,9 @@ log = logging.getLogger(__name__)
 def plan_passes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> dict[int, int] | None:
     """Passes per sequence id for ``draft`` (before its chunks are built), blocks reserved; None: one pass.
 
-    The plan's pass count is the largest value; a sequence's is smaller when ``max_new_tokens``
-    ends it sooner.
+    The plan ends with the first sequence that ends by length (its ``max_new_tokens`` or the context
+    window): a closed-loop client sends its next request when one finishes, so the pass that admits
+    it is not delayed; a simulated closed loop (scale_out's shape) keeps the one-pass timeline.
     """
     k = sched.config.decode_passes
     if k <= 1 or not draft.entries or sched.waiting:
@@ -46,26 +48,21 @@ def plan_passes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> dict[int, i
         return None
     if any(seq.in_prefill for seq in slot.running):  # a prompt chunk is still to run
         return None
-    # tokens this plan may sample per sequence: up to the context window, then up to max_new_tokens
-    k = min(k, min(sched.max_model_len - seq.num_planned_tokens for seq, _ in draft.entries))
+    for seq, _ in draft.entries:  # tokens this plan may sample for ``seq`` before a length stop
+        k = min(
+            k,
+            sched.max_model_len - seq.num_planned_tokens,
+            seq.params.max_new_tokens - len(seq.output_token_ids) - seq.num_pending,
+        )
     account = slot.account
     while k > 1:
-        passes = {
-            seq.seq_id: max(1, min(k, seq.params.max_new_tokens - len(seq.output_token_ids) - seq.num_pending))
-            for seq, _ in draft.entries
-        }
         # schedule_decodes reserved the first pass's token; the later passes need the rest
-        need = sum(
-            account.extra_needed(seq.seq_id, seq.num_planned_tokens + passes[seq.seq_id] - 1)
-            for seq, _ in draft.entries
-        )
+        need = sum(account.extra_needed(seq.seq_id, seq.num_planned_tokens + k - 1) for seq, _ in draft.entries)
         if need <= account.num_free:
-            if max(passes.values()) <= 1:
-                return None
             for seq, _ in draft.entries:
-                account.reserve(seq.seq_id, seq.num_planned_tokens + passes[seq.seq_id] - 1)
-            return passes
-        k -= 1
+                account.reserve(seq.seq_id, seq.num_planned_tokens + k - 1)
+            return {seq.seq_id: k for seq, _ in draft.entries}
+        k -= 1  # blocks are short: fewer passes, never a preemption
     return None
 
 
