@@ -20,6 +20,9 @@ it) leaves one surplus token: it is dropped here (the sequence is finished, so n
 and the sequence's blocks are freed with the worker's next plan. Length stops are never late: a
 sequence whose plan in flight reaches ``max_new_tokens`` is not planned again.
 
+With ``decode_passes > 1`` a plan of decodes only may run several passes on the worker
+(multi-step decoding, ``fuseserve.scheduler.multi_pass``).
+
 ``prefill_first`` (vLLM v0, TGI before chunking) and ``whole_prompt`` (Orca) are the same machinery
 with different choices (``fuseserve.scheduler.policies``).
 """
