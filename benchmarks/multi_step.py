@@ -28,7 +28,10 @@ def run(passes: int, a: argparse.Namespace) -> dict:
     """One closed-loop run with ``decode_passes=passes``; times in simulated seconds."""
     clock = [0.0]
     runner = SimulatedRunner(
-        PRESETS[a.preset], block_size=16, slowdown=a.slowdown, sleep=lambda s: clock.__setitem__(0, clock[0] + s)
+        PRESETS[a.preset],
+        block_size=16,
+        slowdown=a.slowdown,
+        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
     )
     one_pass = runner.step_pass
     sampled_at: dict[int, list[float]] = {}  # seq id -> end of each pass that sampled for it
@@ -74,7 +77,7 @@ def run(passes: int, a: argparse.Namespace) -> dict:
             if len(arrival) < a.requests:
                 send()
     ttft = [t[0] - arrival[sid] for sid, t in token_times.items() if t]
-    itl = [b - x for t in token_times.values() for x, b in zip(t, t[1:])]
+    itl = [b - x for t in token_times.values() for x, b in zip(t[:-1], t[1:], strict=True)]
     tokens = sum(len(t) for t in token_times.values())
     return {
         "decode_passes": passes,
@@ -101,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     print("*** SIMULATED clock and worker; the real scheduler. ***")
-    print(f"{'K':>3} {'plans':>6} {'tokens':>7} {'tok/s':>7} {'TTFT p50':>9} {'p95':>6} {'ITL p50':>8} {'p99':>6}  (ms)")
+    print(
+        f"{'K':>3} {'plans':>6} {'tokens':>7} {'tok/s':>7} {'TTFT p50':>9} {'p95':>6} {'ITL p50':>8} {'p99':>6}  (ms)"
+    )
     for k in (int(x) for x in a.passes.split(",")):
         r = run(k, a)
         print(

@@ -29,7 +29,9 @@ def _params(rng: random.Random, stop_ids: list[int]) -> SamplingParams:
     return SamplingParams(temperature=0.0, **kw).validate()
 
 
-def _run(passes: int, overlap: bool, blocks: dict[str, int], eos: list[int], reqs, lose_at: int | None = None):
+def _run(
+    passes: int, overlap: bool, blocks: dict[str, int], eos: list[int], reqs, lose_at: int | None = None
+):
     """Run ``reqs`` (prompt, params) to the end; returns (outputs, finish reasons, stats)."""
     cfg = EngineConfig(token_budget=32, block_size=BLOCK, decode_passes=passes, watermark_blocks=1)
     core = EngineCore(cfg, eos, overlap=overlap)
@@ -70,7 +72,10 @@ def _run(passes: int, overlap: bool, blocks: dict[str, int], eos: list[int], req
 
 def _workload(n: int, seed: int, stop_ids=()):
     rng = random.Random(seed)
-    return [([rng.randint(1, 999) for _ in range(rng.randint(1, 40))], _params(rng, list(stop_ids))) for _ in range(n)]
+    return [
+        ([rng.randint(1, 999) for _ in range(rng.randint(1, 40))], _params(rng, list(stop_ids)))
+        for _ in range(n)
+    ]
 
 
 def _frequent_tokens(reqs) -> list[int]:
@@ -121,7 +126,11 @@ def test_worker_runs_passes_and_stops_each_sequence():
     res = r.step(StepPlan(0, first))
     assert [t.seq_id for t in res.tokens] == [1, 2] and res.num_passes == 1
     # seq 1 has 2 tokens left, seq 2 runs all 4 passes (blocks for every pass ride on the plan)
-    plan = StepPlan(1, [SeqChunk(1, 4, 1, sample=True, block_ids=[2]), SeqChunk(2, 2, 1, sample=True, block_ids=[3])], num_passes=4)
+    plan = StepPlan(
+        1,
+        [SeqChunk(1, 4, 1, sample=True, block_ids=[2]), SeqChunk(2, 2, 1, sample=True, block_ids=[3])],
+        num_passes=4,
+    )
     res = r.step(plan)
     assert [t.seq_id for t in res.tokens] == [1, 2, 1, 2, 2, 2] and res.num_passes == 4
     assert r.seqs[1].num_computed == 6 and r.seqs[2].num_computed == 6

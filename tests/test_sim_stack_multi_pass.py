@@ -26,7 +26,11 @@ async def _ask(client: httpx.AsyncClient, body: dict) -> tuple[str, str | None, 
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         out = r.json()
-        return out["choices"][0]["text"], out["choices"][0]["finish_reason"], out["usage"]["completion_tokens"]
+        return (
+            out["choices"][0]["text"],
+            out["choices"][0]["finish_reason"],
+            out["usage"]["completion_tokens"],
+        )
     text, reason, usage = "", None, -1
     body = {**body, "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -73,7 +77,11 @@ def _run(passes: int, stops: dict[int, str] | None) -> list[tuple[str, str | Non
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             stats = messages.read_scheduler_stats(r)
-            used = sum(w["num_blocks"] - w["free_blocks"] for w in stats.get("workers", {}).values()) if stats else None
+            used = (
+                sum(w["num_blocks"] - w["free_blocks"] for w in stats.get("workers", {}).values())
+                if stats
+                else None
+            )
             if used == 0:
                 break
             time.sleep(0.25)
@@ -84,11 +92,15 @@ def _run(passes: int, stops: dict[int, str] | None) -> list[tuple[str, str | Non
 def test_four_passes_through_the_stack_give_what_one_gives(smollm2_source):
     ref = _run(1, None)
     # stop strings cut some answers in the middle (taken from the one-pass texts)
-    stops = {i: text[len(text) // 2 : len(text) // 2 + 3] for i, (text, _, n) in enumerate(ref) if n >= 12 and i % 2}
+    stops = {
+        i: text[len(text) // 2 : len(text) // 2 + 3]
+        for i, (text, _, n) in enumerate(ref)
+        if n >= 12 and i % 2
+    }
     ref = _run(1, stops)
     got = _run(4, stops)
     assert got == ref
     assert any(reason == "stop" for _, reason, _ in ref) and any(reason == "length" for _, reason, _ in ref)
-    for (text, reason, n), body in zip(ref, _bodies(stops), strict=True):
+    for (_, reason, n), body in zip(ref, _bodies(stops), strict=True):
         if reason == "length":
             assert n == body["max_tokens"]

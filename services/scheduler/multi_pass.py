@@ -57,7 +57,9 @@ def plan_passes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> dict[int, i
     account = slot.account
     while k > 1:
         # schedule_decodes reserved the first pass's token; the later passes need the rest
-        need = sum(account.extra_needed(seq.seq_id, seq.num_planned_tokens + k - 1) for seq, _ in draft.entries)
+        need = sum(
+            account.extra_needed(seq.seq_id, seq.num_planned_tokens + k - 1) for seq, _ in draft.entries
+        )
         if need <= account.num_free:
             for seq, _ in draft.entries:
                 account.reserve(seq.seq_id, seq.num_planned_tokens + k - 1)
