@@ -10,6 +10,7 @@ a signed 64-bit field.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections.abc import Sequence
@@ -22,9 +23,15 @@ def _digest(data: bytes) -> int:
 
 
 def root_hash(model_id: str, cache_salt: str | None = None, extra_ids: Sequence[str] = ()) -> int:
-    """The parent hash of a sequence's first block: model id, extra input ids, cache salt."""
-    parts = [model_id, *extra_ids, cache_salt or ""]
-    return _digest("\x1f".join(parts).encode())
+    """The parent hash of a sequence's first block: model id, extra input ids, cache salt.
+
+    Memoised (a scheduler asks for it whenever a sequence fills a block)."""
+    return _root_hash(model_id, cache_salt or "", tuple(extra_ids))
+
+
+@functools.lru_cache(maxsize=4096)
+def _root_hash(model_id: str, cache_salt: str, extra_ids: tuple[str, ...]) -> int:
+    return _digest("\x1f".join([model_id, *extra_ids, cache_salt]).encode())
 
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:

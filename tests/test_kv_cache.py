@@ -122,3 +122,24 @@ def test_kv_cache_shapes_and_sizing():
     assert cache.k[0].shape == (10, 16, 3, 64) and len(cache.v) == 2
     with pytest.raises(KVCacheTooSmallError):
         KVCache(2, 0, 16, 3, 64, torch.float32, torch.device("cpu"))
+
+
+def test_sequence_hashes_each_block_once_across_prompt_and_output():
+    """``Sequence.full_block_hashes`` extends its hashes as tokens arrive; they equal the hashes of the
+    whole token list, blocks straddling the prompt and the generated tokens included."""
+    from fuseserve.sampling_params import SamplingParams
+    from fuseserve.scheduler.sequence import Sequence
+
+    seq = Sequence(1, list(range(10)), SamplingParams())
+    root = root_hash("m")
+    assert seq.full_block_hashes(4, root) == hashes(list(range(10)))[:2]
+    for t in range(10, 23):
+        seq.output_token_ids.append(t)
+        assert seq.full_block_hashes(4, root) == hashes(list(range(t + 1)))
+    assert seq.token_slice(8, 13) == [8, 9, 10, 11, 12] and seq.token_slice(11, 14) == [11, 12, 13]
+
+
+def test_covers_means_reserving_takes_nothing(account):
+    assert not account.covers(1, 1)  # no table yet
+    account.reserve(1, 5)
+    assert account.covers(1, 8) and not account.covers(1, 9)

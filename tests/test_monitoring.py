@@ -169,3 +169,22 @@ def test_scheduler_counters_are_exported_at_zero_before_any_event():
     text = generate_latest(m.registry).decode()
     for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
         assert f'fuseserve_{name}_total{{model_name="smollm2"}} 0.0' in text, name
+
+
+def test_scheduler_metric_children_are_cached_per_model_and_worker():
+    """The observers run for every plan: label children are looked up once, and a new model name or
+    a departed worker drops the cached child with its series (observations go to a fresh one)."""
+    m = SchedulerMetrics(None)
+    m.set_model("a")
+    assert m.running is m.running
+    m.observe_budget("w0", 64, 10)
+    m.drop_worker("w0")
+    m.observe_budget("w0", 32, 10)  # a worker of that name came back: one observation, not two
+    value = m.registry.get_sample_value
+    assert value("fuseserve_iteration_token_budget_count", {"model_name": "a", "worker": "w0"}) == 1
+    m.set_model("b")
+    m.running.set(3)
+    m.observe_budget("w0", 16, 10)
+    assert value("fuseserve_num_requests_running", {"model_name": "b"}) == 3
+    assert value("fuseserve_num_requests_running", {"model_name": "a"}) is None
+    assert value("fuseserve_iteration_token_budget_sum", {"model_name": "b", "worker": "w0"}) == 16

@@ -203,3 +203,21 @@ def test_draining_worker_gets_no_new_sequences_and_finishes_its_own(overlap):
         assert eng.outputs[i] == solo_output(p, greedy(n), eos_every=37), i
     check_free(eng)
     assert eng.core.remove_worker("w1") == []  # drained: nothing left to hand back
+
+
+def test_step_time_fit_refreshes_every_refit_every_samples():
+    """The line is fitted on read, from the samples of its last refresh (the first sample, then
+    every ``refit_every``-th): later samples wait for the next refresh."""
+    from fuseserve.scheduler.placement import StepTimeModel
+
+    model = StepTimeModel(window=64, refit_every=4)
+    assert model.seconds(10) is None
+    model.observe(10, 0.01)
+    assert model.seconds(10) == pytest.approx(0.01)  # one size seen: time proportional to tokens
+    for tokens in (20, 30, 40, 50):  # the 5th sample refreshes: 10..50 tokens at 1 ms per token
+        model.observe(tokens, tokens * 1e-3)
+    model.observe(60, 1.0)  # not in the line until the next refresh
+    assert model.seconds(100) == pytest.approx(0.1)
+    for _ in range(3):
+        model.observe(60, 1.0)
+    assert model.seconds(100) > 0.5

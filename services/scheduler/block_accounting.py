@@ -77,6 +77,12 @@ class BlockAccount:
         revived = sum(1 for b in shared if self.ref_counts[b] == 0)
         return max(0, self.blocks_for(num_tokens) - len(shared)) + revived
 
+    def covers(self, seq_id: int, num_tokens: int) -> bool:
+        """``seq_id``'s table already holds ``num_tokens`` tokens: reserving them takes no block (the
+        common decode step, checked before ``can_reserve``)."""
+        table = self.tables.get(seq_id)
+        return table is not None and len(table) * self.block_size >= num_tokens
+
     def can_reserve(self, seq_id: int, num_tokens: int, watermark: int = 0, shared: list[int] = ()) -> bool:
         return self.extra_needed(seq_id, num_tokens, shared) + watermark <= self.num_free
 
@@ -156,8 +162,12 @@ class BlockAccount:
 
     def unsent(self, seq_id: int) -> list[int]:
         """Block ids added to ``seq_id``'s table since the last call (they ride on its next chunk)."""
-        table = self.tables.get(seq_id, [])
-        sent = self._num_sent.get(seq_id, 0)
+        table = self.tables.get(seq_id)
+        if table is None:
+            return []
+        sent = self._num_sent[seq_id]
+        if sent == len(table):
+            return []
         self._num_sent[seq_id] = len(table)
         return table[sent:]
 

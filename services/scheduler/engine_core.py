@@ -303,11 +303,12 @@ class EngineCore:
 
     def _apply(self, lane: _Lane, result: StepResult | Exception) -> list[TokenEvent]:
         name = lane.name
-        if isinstance(result, WorkerLostError):
-            log.error("worker %s lost (%s); resuming its sequences elsewhere", name, result)
-            self.remove_worker(name)
-            return []
-        if isinstance(result, Exception):  # the plan failed, the worker lives: fail those sequences
+        if isinstance(result, Exception):
+            if isinstance(result, WorkerLostError):
+                log.error("worker %s lost (%s); resuming its sequences elsewhere", name, result)
+                self.remove_worker(name)
+                return []
+            # the plan failed, the worker lives: fail those sequences
             log.error("step on worker %s failed: %s: %s", name, type(result).__name__, result)
             return self.scheduler.fail_plan(name, f"{type(result).__name__}: {result}")
         self.stats.num_worker_steps += _num_passes(result)
@@ -319,25 +320,31 @@ class EngineCore:
 
     def _dispatch(self) -> None:
         """Send plans to every worker that may need one (new requests, work placed on it, frees)."""
-        names = list(self.scheduler.slots) if self._dispatch_all else list(self.scheduler.touched)
+        names = list(self.scheduler.slots) if self._dispatch_all else self._touched()
         self._dispatch_all = False
         while names:
             self.scheduler.touched.clear()
             self._dispatch_workers(names)
-            names = list(self.scheduler.touched)  # planning placed prompts on other workers
+            names = self._touched()  # planning placed prompts on other workers
+
+    def _touched(self) -> list[str]:
+        """The workers given work since the last dispatch, in registration order (a set's order
+        follows the string hash, which changes from process to process: plans would too)."""
+        touched = self.scheduler.touched
+        return [n for n in self.scheduler.slots if n in touched] if touched else []
 
     def _dispatch_worker(self, name: str) -> None:
         self._dispatch_workers([name])
 
     def _dispatch_workers(self, names: list[str]) -> None:
         """Fill each named worker's lane up to ``depth`` plans, planning the workers together."""
+        slots = self.scheduler.slots
+        lanes = self._lanes
         while True:
             ready = [
                 n
                 for n in names
-                if n in self._lanes
-                and n in self.scheduler.slots
-                and len(self.scheduler.slots[n].inflight) < self.depth
+                if n in lanes and (s := slots.get(n)) is not None and len(s.inflight) < self.depth
             ]
             if not ready:
                 return
@@ -347,7 +354,7 @@ class EngineCore:
                 self.on_plans(plans, time.perf_counter() - started)
             for name, plan in plans.items():
                 self.last_plans[name] = plan
-                self._lanes[name].submit(plan)
+                lanes[name].submit(plan)
             names = list(plans)
 
     def close(self) -> None:

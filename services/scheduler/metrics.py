@@ -143,6 +143,7 @@ class SchedulerMetrics:
             self._cpu,
             self._idle,
         )
+        self._children: dict[tuple, object] = {}  # (family, worker or None) -> child of model_name
         self._zero_counters()
         self.port: int | None = None
         if port is not None:
@@ -150,37 +151,47 @@ class SchedulerMetrics:
             self.port = server.server_port
 
     # ----- label-bound children (service.py uses these names) -----
+    def _child(self, family, worker: str | None = None):
+        """``family``'s child for the current model (and ``worker``), looked up once: prometheus'
+        ``labels()`` validates and locks on every call, and the observers run for every plan."""
+        key = (family, worker)
+        child = self._children.get(key)
+        if child is None:
+            labels = (self.model_name,) if worker is None else (self.model_name, worker)
+            child = self._children[key] = family.labels(*labels)
+        return child
+
     @property
     def queue_depth(self):
-        return self._waiting.labels(self.model_name)
+        return self._child(self._waiting)
 
     @property
     def running(self):
-        return self._running.labels(self.model_name)
+        return self._child(self._running)
 
     @property
     def workers(self):
-        return self._workers.labels(self.model_name)
+        return self._child(self._workers)
 
     @property
     def preemptions(self):
-        return self._preemptions.labels(self.model_name)
+        return self._child(self._preemptions)
 
     @property
     def prefix_cache_queries(self):
-        return self._prefix_queries.labels(self.model_name)
+        return self._child(self._prefix_queries)
 
     @property
     def prefix_cache_hits(self):
-        return self._prefix_hits.labels(self.model_name)
+        return self._child(self._prefix_hits)
 
     @property
     def cpu_per_step(self):
-        return self._cpu.labels(self.model_name)
+        return self._child(self._cpu)
 
     @property
     def worker_idle(self):
-        return self._idle.labels(self.model_name)
+        return self._child(self._idle)
 
     def set_model(self, model_name: str) -> None:
         """Label every series with ``model_name`` from now on. The series of the previous name are
@@ -189,6 +200,7 @@ class SchedulerMetrics:
             return
         for fam in self._families:
             fam.clear()
+        self._children.clear()
         self.model_name = model_name
         self._zero_counters()
 
@@ -206,7 +218,7 @@ class SchedulerMetrics:
 
     def observe_budget(self, worker: str, token_budget: int, _num_tokens: int) -> None:
         """The budget chosen for one planned pass (``Scheduler.pass_observers``)."""
-        self._chosen_budget.labels(self.model_name, worker).observe(token_budget)
+        self._child(self._chosen_budget, worker).observe(token_budget)
 
     def note_arrival(self, seq_id: int) -> None:
         """A sequence entered the queue now (not for one taken over from a dead scheduler: its
@@ -220,18 +232,22 @@ class SchedulerMetrics:
     def observe_plans(self, plans: dict[str, StepPlan], seconds: float) -> None:
         """One scheduling round: ``plans`` (worker → plan) built in ``seconds``."""
         now = time.monotonic()
-        self._plan_seconds.labels(self.model_name).observe(seconds)
+        self._child(self._plan_seconds).observe(seconds)
+        arrivals = self._arrivals
         for worker, plan in plans.items():
             if plan.chunks:
-                self._iteration.labels(self.model_name, worker).observe(plan.num_tokens)
+                self._child(self._iteration, worker).observe(plan.num_tokens)
+            if not arrivals:
+                continue
             for chunk in plan.chunks:
-                arrival = self._arrivals.pop(chunk.seq_id, None)
+                arrival = arrivals.pop(chunk.seq_id, None)
                 if arrival is not None:
-                    self._queue_time.labels(self.model_name).observe(now - arrival)
+                    self._child(self._queue_time).observe(now - arrival)
 
     def drop_worker(self, worker: str) -> None:
         """Forget a departed worker's pass histogram (its history stays in Prometheus)."""
         for fam in (self._iteration, self._chosen_budget):
+            self._children.pop((fam, worker), None)
             try:
                 fam.remove(self.model_name, worker)
             except KeyError:

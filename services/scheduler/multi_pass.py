@@ -24,7 +24,7 @@ import collections
 import logging
 from typing import TYPE_CHECKING
 
-from fuseserve.scheduler.sequence import SeqStatus
+from fuseserve.scheduler.sequence import FinishReason, SeqStatus
 from fuseserve.types import StepResult, TokenEvent
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def apply_passes(sched: Scheduler, worker: str, record: InFlight, result: StepRe
         for i, tok in enumerate(toks):
             seq.num_pending -= 1
             seq.output_token_ids.append(tok.token_id)
-            reason, hidden = sched._stop_reason(seq, tok.token_id)
+            reason, hidden = _stop_reason(sched, seq, tok.token_id)
             index = len(seq.output_token_ids) - 1
             cached = (seq.num_cached_tokens or 0) if index == 0 else 0
             events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
@@ -114,3 +114,17 @@ def apply_passes(sched: Scheduler, worker: str, record: InFlight, result: StepRe
                 )
                 sched._to_waiting(seq)
     return events
+
+
+def _stop_reason(sched: Scheduler, seq, token_id: int) -> tuple[FinishReason | None, bool]:
+    """The token-level stop after ``seq`` took ``token_id`` (the rule ``Postprocess.postprocess``
+    applies): EOS / a stop id once ``min_new_tokens`` exist (hidden), else length."""
+    p = seq.params
+    n_out = len(seq.output_token_ids)
+    if n_out >= p.min_new_tokens and (
+        (token_id in sched.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids
+    ):
+        return FinishReason.STOP, True
+    if n_out >= p.max_new_tokens or seq.num_tokens >= sched.max_model_len:
+        return FinishReason.LENGTH, False
+    return None, False

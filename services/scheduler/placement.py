@@ -18,7 +18,9 @@ import collections
 class StepTimeModel:
     """Least-squares line ``seconds = a + b x tokens`` over a worker's last ``window`` passes.
 
-    The fit is refreshed every ``refit_every`` samples (it is read for every placement).
+    The fit is refreshed every ``refit_every`` samples: the samples of that moment are kept and
+    fitted when the line is next read (placement reads it; a worker whose passes are only decodes
+    may go long without one).
     """
 
     def __init__(self, window: int = 64, refit_every: int = 8):
@@ -26,6 +28,7 @@ class StepTimeModel:
         self.refit_every = refit_every
         self._since_fit = 0
         self._coef: tuple[float, float] | None = None
+        self._to_fit: tuple[tuple[int, float], ...] | None = None  # samples of the refresh not fitted yet
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Record one pass of ``num_tokens`` tokens that took ``seconds`` (ignored when not positive)."""
@@ -33,23 +36,26 @@ class StepTimeModel:
             return
         self.samples.append((num_tokens, seconds))
         self._since_fit += 1
-        if self._coef is None or self._since_fit >= self.refit_every:
-            self._fit()
+        if (self._coef is None and self._to_fit is None) or self._since_fit >= self.refit_every:
+            self._since_fit = 0
+            self._to_fit = tuple(self.samples)
 
-    def _fit(self) -> None:
-        self._since_fit = 0
-        n = len(self.samples)
-        mx = sum(x for x, _ in self.samples) / n
-        my = sum(y for _, y in self.samples) / n
-        sxx = sum((x - mx) ** 2 for x, _ in self.samples)
+    @staticmethod
+    def _fit(samples: tuple[tuple[int, float], ...]) -> tuple[float, float]:
+        n = len(samples)
+        mx = sum(x for x, _ in samples) / n
+        my = sum(y for _, y in samples) / n
+        sxx = sum((x - mx) ** 2 for x, _ in samples)
         if sxx <= 1e-9:  # every pass had the same size: no slope to learn, time proportional to tokens
-            self._coef = (0.0, my / mx)
-            return
-        b = max(0.0, sum((x - mx) * (y - my) for x, y in self.samples) / sxx)
-        self._coef = (max(0.0, my - b * mx), b)
+            return (0.0, my / mx)
+        b = max(0.0, sum((x - mx) * (y - my) for x, y in samples) / sxx)
+        return (max(0.0, my - b * mx), b)
 
     def seconds(self, num_tokens: int) -> float | None:
         """Predicted seconds of a pass of ``num_tokens`` tokens; None before the first measured pass."""
+        if self._to_fit is not None:
+            self._coef = self._fit(self._to_fit)
+            self._to_fit = None
         if self._coef is None:
             return None
         a, b = self._coef

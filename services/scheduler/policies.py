@@ -34,7 +34,8 @@ class Draft:
     """The pass being built for one worker.
 
     token_budget: tokens the pass may hold; max_num_seqs: sequences it may hold.
-    entries: ``(sequence, num_tokens)`` in plan order.
+    entries: ``(sequence, num_tokens)`` in plan order (grown with ``add``, shrunk with ``drop``).
+    num_tokens: tokens in ``entries`` so far.
     blocked: a running sequence wanted a KV block and none could be had (no victim to preempt).
     """
 
@@ -42,20 +43,27 @@ class Draft:
     max_num_seqs: int
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
     blocked: bool = False
+    num_tokens: int = 0
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        """Append ``num_tokens`` of ``seq`` to the pass."""
+        self.entries.append((seq, num_tokens))
+        self.num_tokens += num_tokens
 
     @property
     def budget_left(self) -> int:
         """Tokens still free in the pass."""
-        return self.token_budget - sum(n for _, n in self.entries)
+        return self.token_budget - self.num_tokens
 
     @property
     def has_room(self) -> bool:
         """Another sequence fits: a token and a sequence slot are left."""
-        return self.budget_left > 0 and len(self.entries) < self.max_num_seqs
+        return self.num_tokens < self.token_budget and len(self.entries) < self.max_num_seqs
 
     def drop(self, seq: Sequence) -> None:
         """Take ``seq`` out of the pass (it was preempted while the pass was built)."""
         self.entries = [(s, n) for s, n in self.entries if s is not seq]
+        self.num_tokens = sum(n for _, n in self.entries)
 
     def has_prompt(self) -> bool:
         return any(seq.in_prefill for seq, _ in self.entries)
@@ -74,29 +82,59 @@ class Policy(ABC):
         """The next pass of each worker of ``slots``, by worker name."""
 
 
-def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> None:
+def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> list[Sequence]:
     """One token per running sequence past its prompt, oldest first (rule 1), growing blocks (rule 3).
 
     A sequence whose plan in flight ends it by length (``max_new_tokens`` or the context window) is
     not planned again: its token would be surplus.
+
+    Returns the running sequences in prefill passed over, in admission order (all of them, unless
+    the pass filled up first: then no prompt chunk fits anyway).
     """
+    # the per-step hot path: ``Sequence.in_prefill`` / ``num_planned_tokens`` and
+    # ``Scheduler.ends_in_flight`` computed inline, and a sequence whose blocks already hold its next
+    # token (``BlockAccount.covers``) needs no reservation
+    account = slot.account
+    max_model_len = sched.max_model_len
+    name = slot.name
+    entries = draft.entries
+    prompts = []
     for seq in list(slot.running):
-        if seq.in_prefill or seq not in slot.running or sched.ends_in_flight(seq):
+        if seq.worker != name:  # preempted by an older sequence of this loop
             continue
-        if not draft.has_room:
-            return
-        if sched.reserve_or_preempt(slot, seq, seq.num_planned_tokens, draft):
-            draft.entries.append((seq, 1))
+        num_out = len(seq.output_token_ids)
+        pending = seq.num_pending
+        planned = len(seq.prompt_token_ids) + num_out + pending
+        if planned - seq.num_computed_tokens > 1 or not (num_out or pending):
+            prompts.append(seq)  # in prefill
+            continue
+        if pending and (num_out + pending >= seq.params.max_new_tokens or planned >= max_model_len):
+            continue  # ends in flight
+        if draft.num_tokens >= draft.token_budget or len(entries) >= draft.max_num_seqs:
+            return prompts
+        if account.covers(seq.seq_id, planned) or sched.reserve_or_preempt(slot, seq, planned, draft):
+            entries = draft.entries  # ``drop`` may have replaced the list
+            entries.append((seq, 1))
+            draft.num_tokens += 1
         else:
+            entries = draft.entries
             draft.blocked = True
+    return prompts
 
 
-def continue_prompts(slot: WorkerSlot, draft: Draft, key: Callable[[Sequence], float] | None = None) -> None:
+def continue_prompts(
+    slot: WorkerSlot,
+    draft: Draft,
+    key: Callable[[Sequence], float] | None = None,
+    prompts: list[Sequence] | None = None,
+) -> None:
     """Continuing prompt chunks (their blocks were reserved at admission), in admission order, or
-    by ``key`` (earliest TTFT deadline first with latency targets)."""
-    for seq in sorted(slot.running, key=key) if key else slot.running:
+    by ``key`` (earliest TTFT deadline first with latency targets). ``prompts``: the candidates
+    ``schedule_decodes`` passed over (default: every running sequence)."""
+    candidates = slot.running if prompts is None else [s for s in prompts if s.worker == slot.name]
+    for seq in sorted(candidates, key=key) if key else candidates:
         if seq.in_prefill and draft.has_room:
-            draft.entries.append((seq, min(seq.num_uncomputed, draft.budget_left)))
+            draft.add(seq, min(seq.num_uncomputed, draft.budget_left))
 
 
 def admit_new(
@@ -127,9 +165,7 @@ def admit_new(
         draft = drafts.get(target.name)
         if draft is not None:
             # a cached prefix counts as computed: the pass runs only the rest (``num_uncomputed``)
-            draft.entries.append(
-                (seq, min(seq.num_uncomputed, draft.budget_left) if split else seq.num_uncomputed)
-            )
+            draft.add(seq, min(seq.num_uncomputed, draft.budget_left) if split else seq.num_uncomputed)
 
 
 class SplitFuse(Policy):
@@ -144,8 +180,8 @@ class SplitFuse(Policy):
             key = sched.slo.deadline
         drafts = {s.name: sched.new_draft(s) for s in slots}
         for slot in slots:
-            schedule_decodes(sched, slot, drafts[slot.name])
-            continue_prompts(slot, drafts[slot.name], key)
+            prompts = schedule_decodes(sched, slot, drafts[slot.name])
+            continue_prompts(slot, drafts[slot.name], key, prompts)
         admit_new(sched, slots, drafts, split=True, fits=None)
         return drafts
 

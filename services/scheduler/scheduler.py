@@ -25,6 +25,10 @@ With ``decode_passes > 1`` a plan of decodes only may run several passes on the 
 
 ``prefill_first`` (vLLM v0, TGI before chunking) and ``whole_prompt`` (Orca) are the same machinery
 with different choices (``fuseserve.scheduler.policies``).
+
+``Scheduler`` is written in three files: this one (workers, requests, planning, preemption),
+``admission.py`` (rule 2 and placement) and ``postprocess.py`` (results, failed plans); a worker's
+state is ``worker_slot.WorkerSlot``.
 """
 
 from __future__ import annotations
@@ -34,70 +38,28 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fuseserve.block_hash import root_hash
 from fuseserve.config import EngineConfig
 from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
 from fuseserve.scheduler import multi_pass
+from fuseserve.scheduler.admission import Admission
 from fuseserve.scheduler.block_accounting import BlockAccount
-from fuseserve.scheduler.placement import StepTimeModel, near_least_loaded, seconds_per_share
 from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
+from fuseserve.scheduler.postprocess import Postprocess
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.scheduler.slo_budget import PassLatency, SLOBudget
-from fuseserve.types import SeqChunk, StepPlan, StepResult, TokenEvent
+from fuseserve.scheduler.worker_slot import InFlight, WorkerSlot
+from fuseserve.types import SeqChunk, StepPlan, TokenEvent
 from fuseserve.worker.latency_model import PassShape
+
+__all__ = ["InFlight", "Scheduler", "TokenEvent", "WorkerSlot"]  # re-exported (engine core, policies)
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-@dataclass
-class InFlight:
-    """A plan sent to a worker and not answered yet.
-
-    entries: ``(sequence, num_tokens, admitted_at)``; a result applies to a sequence only while it is
-    still running on that worker under the same admission (not preempted, moved or finished since).
-    hashed: blocks this plan fills that were added to the prefix cache when it was built.
-    passes: with ``plan.num_passes > 1``, the passes planned per sequence id (``multi_pass.py``).
-    """
-
-    plan: StepPlan
-    entries: list[tuple[Sequence, int, int]]
-    hashed: list[int] = field(default_factory=list)
-    passes: dict[int, int] | None = None
-
-
-@dataclass
-class WorkerSlot:
-    """One worker as the engine sees it: capacity, running sequences, plans in flight, its handle.
-
-    handle: how plans reach the worker (``fuseserve.scheduler.engine_core.WorkerHandle``); None for
-        a scheduler used without transport.
-    num_steps: plans sent so far; the next plan's ``step_id`` (a worker runs plans in step order).
-    step_time: measured seconds per pass against tokens per pass (placement).
-    latency: predicted seconds of a pass of a given shape, corrected from measured passes (used with
-        latency targets, ``fuseserve.scheduler.slo_budget``).
-    """
-
-    name: str
-    account: BlockAccount
-    token_budget: int
-    max_model_len: int
-    handle: Any = None
-    running: list[Sequence] = field(default_factory=list)  # admission order
-    pending_free: list[int] = field(default_factory=list)
-    inflight: collections.deque[InFlight] = field(default_factory=collections.deque)
-    num_admitted: int = 0  # sequences admitted onto this worker so far (recomputes included)
-    num_steps: int = 0
-    step_time: StepTimeModel = field(default_factory=StepTimeModel)
-    latency: PassLatency = field(default_factory=PassLatency)
-    poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
-    draining: bool = False  # the worker is stopping: its running sequences finish, no new ones come
-
-
-class Scheduler:
+class Scheduler(Admission, Postprocess):
     """Plans passes for each worker and applies token-level stops.
 
     Args:
@@ -260,20 +222,26 @@ class Scheduler:
             if not draft.entries and not slot.pending_free:
                 continue
             passes = multi_pass.plan_passes(self, slot, draft)  # None: one pass (decode_passes = 1)
-            chunks = [self._chunk(seq, n) for seq, n in draft.entries]
+            hashed: list[int] = []
+            chunks = [self._chunk(slot, seq, n, hashed) for seq, n in draft.entries]
             plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
             if passes is not None:
                 multi_pass.advance(draft, passes)
                 plan.num_passes = max(passes.values())
             slot.num_steps += 1
             slot.pending_free = []
-            hashed = [b for seq, _ in draft.entries for b in self._commit_planned(slot, seq)]
             slot.inflight.append(
-                InFlight(plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed, passes)
+                InFlight(
+                    plan,
+                    [(seq, n, seq.admitted_at) for seq, n in draft.entries],
+                    hashed,
+                    draft.num_tokens,
+                    passes,
+                )
             )
             plans[slot.name] = plan
             for observe in self.pass_observers:
-                observe(slot.name, draft.token_budget, plan.num_tokens)
+                observe(slot.name, draft.token_budget, draft.num_tokens)
         return plans
 
     def new_draft(self, slot: WorkerSlot) -> Draft:
@@ -283,37 +251,49 @@ class Scheduler:
             return Draft(self.slo.pass_budget(self, slot), self.config.max_num_seqs)
         return Draft(slot.token_budget, self.config.max_num_seqs)
 
-    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
-        """The chunk of ``n`` tokens of ``seq`` that comes next; advances its planned counters."""
+    def _chunk(self, slot: WorkerSlot, seq: Sequence, n: int, hashed: list[int]) -> SeqChunk:
+        """The chunk of ``n`` tokens of ``seq`` (running on ``slot``) that comes next; advances its
+        planned counters and adds to ``hashed`` the blocks it fills that enter the prefix cache."""
         start = seq.num_computed_tokens
         end = start + n
+        num_out = len(seq.output_token_ids)
+        pending = seq.num_pending
+        num_tokens = len(seq.prompt_token_ids) + num_out
+        planned = num_tokens + pending
+        in_prefill = planned - start > 1 or not (num_out or pending)  # ``Sequence.in_prefill``
         # the worker feeds the token it sampled last: one sampled by a plan in flight, or one sampled
         # since admission (a recompute cut one token short of its end looks like a decode, but its
         # last token was sampled before the worker restarted it)
-        decode = seq.num_pending > 0 or (not seq.in_prefill and seq.num_tokens > seq.num_tokens_at_admission)
-        sample = end == seq.num_planned_tokens
-        first = start == seq.num_start_tokens  # the first chunk since admission (after its cached prefix)
-        chunk = SeqChunk(
-            seq_id=seq.seq_id,
-            start_pos=start,
-            num_tokens=n,
-            token_ids=[] if decode else seq.token_slice(start, end),
-            sample=sample,
-            params=seq.params if first else None,
-            prompt_len=seq.prompt_len if first else 0,
-            block_ids=self.slots[seq.worker].account.unsent(seq.seq_id),
-            prefix_token_ids=seq.token_slice(0, start) if first else [],
-        )
+        decode = pending > 0 or (not in_prefill and num_tokens > seq.num_tokens_at_admission)
+        sample = end == planned
+        token_ids = [] if decode else seq.token_slice(start, end)
+        block_ids = slot.account.unsent(seq.seq_id)
+        if start == seq.num_start_tokens:  # the first chunk since admission (after its cached prefix)
+            chunk = SeqChunk(
+                seq_id=seq.seq_id,
+                start_pos=start,
+                num_tokens=n,
+                token_ids=token_ids,
+                sample=sample,
+                params=seq.params,
+                prompt_len=seq.prompt_len,
+                block_ids=block_ids,
+                prefix_token_ids=seq.token_slice(0, start),
+            )
+        else:  # the per-step case, built positionally: no params, prompt_len 0, no prefix tokens
+            chunk = SeqChunk(seq.seq_id, start, n, token_ids, sample, None, 0, block_ids, [])
         seq.num_computed_tokens = end
         if sample:
-            seq.num_pending += 1
+            seq.num_pending = pending + 1
+        # a decode input sampled in flight is not known yet: hashing stops at the known tokens
+        known = end if end < num_tokens else num_tokens
+        if slot.account.needs_commit(seq.seq_id, known):
+            hashed += self._commit_planned(slot, seq, known)
         return chunk
 
-    def _commit_planned(self, slot: WorkerSlot, seq: Sequence) -> list[int]:
-        """Hash the blocks of ``seq`` that its plans sent so far fill (tokens known); returns their ids."""
-        end = min(seq.num_computed_tokens, seq.num_tokens)  # a decode input sampled in flight is unknown
-        if not slot.account.needs_commit(seq.seq_id, end):
-            return []
+    def _commit_planned(self, slot: WorkerSlot, seq: Sequence, end: int) -> list[int]:
+        """Hash the blocks of ``seq`` that its first ``end`` tokens fill (computed by the plans sent so
+        far, and known); returns their ids."""
         root = root_hash(self.model_id, seq.cache_salt)
         return slot.account.commit(seq.seq_id, seq.full_block_hashes(slot.account.block_size, root), end)
 
@@ -373,218 +353,6 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
-
-    def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
-        """Rule 2: blocks for the whole remaining prompt (past its cached prefix) plus the watermark
-        (plus ``extra_blocks``), and a free sequence slot, on a worker that is not draining."""
-        return (
-            not slot.draining
-            and len(slot.running) < self.config.max_num_seqs
-            and slot.account.can_reserve(
-                seq.seq_id,
-                seq.num_tokens,
-                self.config.watermark_blocks + extra_blocks,
-                self.prefix_hit(slot, seq),
-            )
-        )
-
-    def prefix_hit(self, slot: WorkerSlot, seq: Sequence) -> list[int]:
-        """Ids of ``slot``'s cached blocks holding the longest prefix of ``seq``'s tokens.
-
-        At most ``num_tokens - 1`` tokens are taken from the cache: the last one must run to sample.
-        Empty (no hit) with ``prompt_logprobs``: a cached position is not computed, so it would
-        have no logprobs (vLLM skips the cache for these requests too).
-        """
-        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []
-        bs = slot.account.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
-        if max_blocks <= 0:
-            return []
-        return slot.account.match(
-            seq.full_block_hashes(bs, root_hash(self.model_id, seq.cache_salt)), max_blocks
-        )
-
-    def admit(self, slot: WorkerSlot, seq: Sequence) -> None:
-        """Move ``seq`` from the queue onto ``slot``, reserving blocks for all its known tokens; the
-        tokens of its cached prefix count as computed, so its first chunk starts after them."""
-        if self.waiting and self.waiting[0] is seq:
-            self.waiting.popleft()
-        else:
-            self.waiting.remove(seq)
-        shared = self.prefix_hit(slot, seq)
-        slot.account.reserve(seq.seq_id, seq.num_tokens, shared)
-        seq.num_start_tokens = seq.num_computed_tokens = len(shared) * slot.account.block_size
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = seq.num_start_tokens
-        if self.config.enable_prefix_caching and seq.params.prompt_logprobs is None:  # looked up
-            self.num_prefix_queries += seq.num_tokens
-            self.num_prefix_hits += seq.num_start_tokens
-        seq.status = SeqStatus.RUNNING
-        seq.worker = slot.name
-        seq.admitted_at = next(self._admit_counter)
-        seq.num_tokens_at_admission = seq.num_tokens
-        slot.running.append(seq)
-        slot.num_admitted += 1
-        self.touched.add(slot.name)
-
-    def place(
-        self, seq: Sequence, here: list[WorkerSlot], elsewhere: bool, planning: list[WorkerSlot]
-    ) -> WorkerSlot | None:
-        """The worker that would serve ``seq`` soonest, or None when none can take it now.
-
-        ``here``: workers being planned whose pass has room for the prompt. ``elsewhere``: workers
-        not being planned (``planning``) are candidates too, while their queued prompt tokens are
-        under one pass (a prompt is bound to a worker at most a pass ahead) and they keep a block per
-        running sequence for its next decode. Every candidate must pass rule 2. Soonest: the smallest
-        ``placement.seconds_per_share`` (sequences in proportion to measured speed); ties (no
-        measurement yet) go to the worker with the larger share of free blocks, then fewer running
-        sequences. With prefix-aware placement, the workers loaded near the least
-        (``placement.near_least_loaded``) are candidates first and the one caching the most of the
-        prompt wins.
-        """
-        candidates = [s for s in here if self.can_admit(s, seq)]
-        if elsewhere:
-            for slot in self.slots.values():
-                if (
-                    slot not in planning
-                    and self._queued_prompt_tokens(slot) < slot.token_budget
-                    and self.can_admit(slot, seq, extra_blocks=len(slot.running))
-                ):
-                    candidates.append(slot)
-        if not candidates:
-            return None
-        if len(candidates) == 1:
-            return candidates[0]
-        measured = [s.step_time for s in self.slots.values() if s.step_time.seconds(1) is not None]
-        fallback = measured[0] if measured else None
-        shares = [
-            seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running)) for s in candidates
-        ]
-
-        def key(i: int):
-            s = candidates[i]
-            return (round(shares[i], 9), -s.account.num_free / s.account.num_blocks, len(s.running))
-
-        order = range(len(candidates))
-        if self.config.enable_prefix_caching and self.config.prefix_aware_placement:
-            hits = [len(self.prefix_hit(s, seq)) for s in candidates]
-            if any(hits):  # follow the prefix among the workers loaded near the least
-                near = near_least_loaded(shares, [len(s.running) for s in candidates])
-                return candidates[min((i for i in order if near[i]), key=lambda i: (-hits[i], key(i)))]
-        return candidates[min(order, key=key)]
-
-    @staticmethod
-    def _queued_prompt_tokens(slot: WorkerSlot) -> int:
-        """Prompt tokens placed on ``slot`` that no plan has taken yet."""
-        return sum(seq.num_uncomputed for seq in slot.running if seq.in_prefill)
-
-    def least_loaded(self, candidates: list[WorkerSlot]) -> WorkerSlot:
-        """The worker with the most free blocks (in proportion), then the fewest running sequences."""
-        return max(candidates, key=lambda s: (s.account.num_free / s.account.num_blocks, -len(s.running)))
-
-    def fail_plan(self, worker: str, message: str) -> list[TokenEvent]:
-        """The oldest plan in flight on ``worker`` failed (not a lost worker): finish its sequences.
-
-        Their blocks are released here and freed on the worker with its next plan, so a bad request
-        cannot wedge the worker or the engine. Plans already sent after it were built on its
-        outcome: their sequences recompute instead of failing (``poisoned_through``).
-        """
-        slot = self.slots.get(worker)
-        if slot is None or not slot.inflight:
-            return []
-        record = slot.inflight.popleft()
-        poisoned = record.plan.step_id <= slot.poisoned_through
-        if slot.inflight:
-            slot.poisoned_through = slot.inflight[-1].plan.step_id
-        events = []
-        for seq, _, admitted_at in record.entries:
-            if not self._live(seq, worker, admitted_at):
-                continue
-            if poisoned:
-                self._to_waiting(seq)
-            else:
-                self._finish(seq, FinishReason.ABORT)
-                events.append(TokenEvent(seq.seq_id, None, FinishReason.ABORT, error=message))
-        # the blocks this plan and the later ones were to fill may hold garbage: no longer cached, and
-        # a sequence that shares one recomputes
-        bad = set(record.hashed).union(*(r.hashed for r in slot.inflight))
-        slot.account.uncommit(sorted(bad))
-        for seq in [s for s in slot.running if bad.intersection(slot.account.tables.get(s.seq_id, ()))]:
-            self._to_waiting(seq)
-        return events
-
-    def fail_waiting(self, message: str, status: int) -> list[TokenEvent]:
-        """Finish every queued sequence with an error (e.g. no worker has been alive for a while)."""
-        events = []
-        while self.waiting:
-            seq = self.waiting.popleft()
-            self._finish(seq, FinishReason.ABORT)
-            events.append(
-                TokenEvent(seq.seq_id, None, FinishReason.ABORT, error=message, error_status=status)
-            )
-        return events
-
-    # ----- postprocess -----
-    @staticmethod
-    def _live(seq: Sequence, worker: str, admitted_at: int) -> bool:
-        return seq.status is SeqStatus.RUNNING and seq.worker == worker and seq.admitted_at == admitted_at
-
-    def postprocess(self, worker: str, result: StepResult) -> list[TokenEvent]:
-        """Apply the oldest plan in flight on ``worker``: new tokens, EOS / stop ids / length stops.
-
-        Tokens of sequences finished, preempted or moved since the plan was sent are dropped.
-        Raises ``SchedulerError`` when ``result`` does not answer that plan.
-        """
-        slot = self.slots.get(worker)
-        if slot is None or not slot.inflight:
-            return []
-        record = slot.inflight.popleft()
-        if result.step_id != record.plan.step_id:
-            raise SchedulerError(
-                f"worker {worker}: result of step {result.step_id}, expected {record.plan.step_id}"
-            )
-        if record.passes is not None:  # per pass: placement and the latency fit see one pass
-            seconds = result.forward_seconds / max(1, result.num_passes)
-            slot.step_time.observe(record.plan.num_tokens, seconds)
-            if self.slo is not None:
-                slot.latency.observe(PassShape.of_plan(record.plan), seconds)
-            return multi_pass.apply_passes(self, worker, record, result)
-        slot.step_time.observe(record.plan.num_tokens, result.forward_seconds)
-        if self.slo is not None:
-            slot.latency.observe(PassShape.of_plan(record.plan), result.forward_seconds)
-        sampled = {t.seq_id: t for t in result.tokens}
-        scored = {p.seq_id: p for p in result.prompt_logprobs}
-        events = []
-        for seq, _, admitted_at in record.entries:
-            if seq.seq_id in scored and self._live(seq, worker, admitted_at):  # before its first token
-                events.append(TokenEvent(seq.seq_id, None, prompt_logprobs=scored[seq.seq_id]))
-            tok = sampled.get(seq.seq_id)
-            if tok is None:
-                continue
-            if not self._live(seq, worker, admitted_at):
-                if seq.status is SeqStatus.FINISHED:
-                    self.num_surplus_tokens += 1
-                continue
-            seq.num_pending -= 1
-            seq.output_token_ids.append(tok.token_id)
-            reason, hidden = self._stop_reason(seq, tok.token_id)
-            index = len(seq.output_token_ids) - 1
-            cached = (seq.num_cached_tokens or 0) if index == 0 else 0
-            events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
-            if reason is not None:
-                self._finish(seq, reason)
-        return events
-
-    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, bool]:
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_new_tokens:
-            if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
-                return FinishReason.STOP, True
-        if n_out >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, False
-        return None, False
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._detach(seq)

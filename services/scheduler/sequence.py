@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from fuseserve.block_hash import extend_block_hashes
+from fuseserve.block_hash import hash_block
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import FinishReason  # noqa: F401 - re-exported for the scheduler
 
@@ -16,7 +16,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One request's tokens (prompt + generated) and progress.
 
@@ -38,6 +38,9 @@ class Sequence:
         chunk starts.
     arrival_time: when the scheduler queued it, on the scheduler's clock (seconds); the TTFT
         deadline counts from here (``fuseserve.scheduler.slo_budget``).
+
+    Two sequences are equal only when they are the same object (the scheduler's lists are searched
+    by identity).
     """
 
     seq_id: int
@@ -83,20 +86,20 @@ class Sequence:
         return self.num_uncomputed > 1 or not (self.output_token_ids or self.num_pending)
 
     def full_block_hashes(self, block_size: int, root: int) -> list[int]:
-        """Hashes of every full block of the known tokens (extends ``block_hashes``)."""
-        if len(self.block_hashes) < self.num_tokens // block_size:
-            extend_block_hashes(
-                self.block_hashes,
-                self.prompt_token_ids + self.output_token_ids,
-                self.num_tokens,
-                block_size,
-                root,
-            )
-        return self.block_hashes
+        """Hashes of every full block of the known tokens (extends ``block_hashes``: each block is
+        hashed once)."""
+        hashes = self.block_hashes
+        for i in range(len(hashes), self.num_tokens // block_size):
+            parent = hashes[i - 1] if i else root
+            hashes.append(hash_block(parent, self.token_slice(i * block_size, (i + 1) * block_size)))
+        return hashes
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Known token ids ``start:end`` (prompt then generated)."""
-        p = self.prompt_len
+        """Known token ids ``start:end`` (prompt then generated), ``0 <= start``; a new list."""
+        prompt = self.prompt_token_ids
+        p = len(prompt)
         if end <= p:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+            return prompt[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return prompt[start:] + self.output_token_ids[: end - p]

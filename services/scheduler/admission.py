@@ -1,0 +1,145 @@
+"""Admission and placement of queued sequences (SplitFuse rule 2), part of ``Scheduler``.
+
+A queued sequence is admitted onto a worker only when blocks exist for its whole remaining prompt
+(past the prefix its worker already caches) plus a watermark; among the workers that can take it,
+it goes where it is served soonest (``fuseserve.scheduler.placement``), or with prefix-aware
+placement where most of its prompt is cached among the workers loaded near the least.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import TYPE_CHECKING
+
+from fuseserve.block_hash import root_hash
+from fuseserve.scheduler.placement import near_least_loaded, seconds_per_share
+from fuseserve.scheduler.sequence import SeqStatus, Sequence
+from fuseserve.scheduler.worker_slot import WorkerSlot
+
+if TYPE_CHECKING:
+    from fuseserve.config import EngineConfig
+
+
+class Admission:
+    """The admission half of ``fuseserve.scheduler.scheduler.Scheduler`` (a base class of it), over
+    the scheduler's state: ``config``, ``slots``, ``waiting``, ``model_id``, ``touched`` and the
+    prefix-cache counters."""
+
+    config: EngineConfig
+    slots: dict[str, WorkerSlot]
+    waiting: collections.deque[Sequence]
+    model_id: str
+    touched: set[str]
+    num_prefix_queries: int
+    num_prefix_hits: int
+    _admit_counter: itertools.count
+
+    def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
+        """Rule 2: blocks for the whole remaining prompt (past its cached prefix) plus the watermark
+        (plus ``extra_blocks``), and a free sequence slot, on a worker that is not draining."""
+        return (
+            not slot.draining
+            and len(slot.running) < self.config.max_num_seqs
+            and slot.account.can_reserve(
+                seq.seq_id,
+                seq.num_tokens,
+                self.config.watermark_blocks + extra_blocks,
+                self.prefix_hit(slot, seq),
+            )
+        )
+
+    def prefix_hit(self, slot: WorkerSlot, seq: Sequence) -> list[int]:
+        """Ids of ``slot``'s cached blocks holding the longest prefix of ``seq``'s tokens.
+
+        At most ``num_tokens - 1`` tokens are taken from the cache: the last one must run to sample.
+        Empty (no hit) with ``prompt_logprobs``: a cached position is not computed, so it would
+        have no logprobs (vLLM skips the cache for these requests too).
+        """
+        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        bs = slot.account.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks <= 0:
+            return []
+        return slot.account.match(
+            seq.full_block_hashes(bs, root_hash(self.model_id, seq.cache_salt)), max_blocks
+        )
+
+    def admit(self, slot: WorkerSlot, seq: Sequence) -> None:
+        """Move ``seq`` from the queue onto ``slot``, reserving blocks for all its known tokens; the
+        tokens of its cached prefix count as computed, so its first chunk starts after them."""
+        if self.waiting and self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+        shared = self.prefix_hit(slot, seq)
+        slot.account.reserve(seq.seq_id, seq.num_tokens, shared)
+        seq.num_start_tokens = seq.num_computed_tokens = len(shared) * slot.account.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_start_tokens
+        if self.config.enable_prefix_caching and seq.params.prompt_logprobs is None:  # looked up
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += seq.num_start_tokens
+        seq.status = SeqStatus.RUNNING
+        seq.worker = slot.name
+        seq.admitted_at = next(self._admit_counter)
+        seq.num_tokens_at_admission = seq.num_tokens
+        slot.running.append(seq)
+        slot.num_admitted += 1
+        self.touched.add(slot.name)
+
+    def place(
+        self, seq: Sequence, here: list[WorkerSlot], elsewhere: bool, planning: list[WorkerSlot]
+    ) -> WorkerSlot | None:
+        """The worker that would serve ``seq`` soonest, or None when none can take it now.
+
+        ``here``: workers being planned whose pass has room for the prompt. ``elsewhere``: workers
+        not being planned (``planning``) are candidates too, while their queued prompt tokens are
+        under one pass (a prompt is bound to a worker at most a pass ahead) and they keep a block per
+        running sequence for its next decode. Every candidate must pass rule 2. Soonest: the smallest
+        ``placement.seconds_per_share`` (sequences in proportion to measured speed); ties (no
+        measurement yet) go to the worker with the larger share of free blocks, then fewer running
+        sequences. With prefix-aware placement, the workers loaded near the least
+        (``placement.near_least_loaded``) are candidates first and the one caching the most of the
+        prompt wins.
+        """
+        candidates = [s for s in here if self.can_admit(s, seq)]
+        if elsewhere:
+            for slot in self.slots.values():
+                if (
+                    slot not in planning
+                    and self._queued_prompt_tokens(slot) < slot.token_budget
+                    and self.can_admit(slot, seq, extra_blocks=len(slot.running))
+                ):
+                    candidates.append(slot)
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            return candidates[0]
+        measured = [s.step_time for s in self.slots.values() if s.step_time.seconds(1) is not None]
+        fallback = measured[0] if measured else None
+        shares = [
+            seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running)) for s in candidates
+        ]
+
+        def key(i: int):
+            s = candidates[i]
+            return (round(shares[i], 9), -s.account.num_free / s.account.num_blocks, len(s.running))
+
+        order = range(len(candidates))
+        if self.config.enable_prefix_caching and self.config.prefix_aware_placement:
+            hits = [len(self.prefix_hit(s, seq)) for s in candidates]
+            if any(hits):  # follow the prefix among the workers loaded near the least
+                near = near_least_loaded(shares, [len(s.running) for s in candidates])
+                return candidates[min((i for i in order if near[i]), key=lambda i: (-hits[i], key(i)))]
+        return candidates[min(order, key=key)]
+
+    @staticmethod
+    def _queued_prompt_tokens(slot: WorkerSlot) -> int:
+        """Prompt tokens placed on ``slot`` that no plan has taken yet."""
+        return sum(seq.num_uncomputed for seq in slot.running if seq.in_prefill)
+
+    def least_loaded(self, candidates: list[WorkerSlot]) -> WorkerSlot:
+        """The worker with the most free blocks (in proportion), then the fewest running sequences."""
+        return max(candidates, key=lambda s: (s.account.num_free / s.account.num_blocks, -len(s.running)))

@@ -1,0 +1,59 @@
+"""One worker as the scheduler sees it (``WorkerSlot``) and its plans in flight (``InFlight``)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuseserve.scheduler.block_accounting import BlockAccount
+from fuseserve.scheduler.placement import StepTimeModel
+from fuseserve.scheduler.sequence import Sequence
+from fuseserve.scheduler.slo_budget import PassLatency
+from fuseserve.types import StepPlan
+
+
+@dataclass
+class InFlight:
+    """A plan sent to a worker and not answered yet.
+
+    entries: ``(sequence, num_tokens, admitted_at)``; a result applies to a sequence only while it is
+    still running on that worker under the same admission (not preempted, moved or finished since).
+    hashed: blocks this plan fills that were added to the prefix cache when it was built.
+    num_tokens: tokens in the plan (``plan.num_tokens``, counted once).
+    passes: with ``plan.num_passes > 1``, the passes planned per sequence id (``multi_pass.py``).
+    """
+
+    plan: StepPlan
+    entries: list[tuple[Sequence, int, int]]
+    hashed: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    passes: dict[int, int] | None = None
+
+
+@dataclass
+class WorkerSlot:
+    """One worker as the engine sees it: capacity, running sequences, plans in flight, its handle.
+
+    handle: how plans reach the worker (``fuseserve.scheduler.engine_core.WorkerHandle``); None for
+        a scheduler used without transport.
+    num_steps: plans sent so far; the next plan's ``step_id`` (a worker runs plans in step order).
+    step_time: measured seconds per pass against tokens per pass (placement).
+    latency: predicted seconds of a pass of a given shape, corrected from measured passes (used with
+        latency targets, ``fuseserve.scheduler.slo_budget``).
+    """
+
+    name: str
+    account: BlockAccount
+    token_budget: int
+    max_model_len: int
+    handle: Any = None
+    running: list[Sequence] = field(default_factory=list)  # admission order
+    pending_free: list[int] = field(default_factory=list)
+    inflight: collections.deque[InFlight] = field(default_factory=collections.deque)
+    num_admitted: int = 0  # sequences admitted onto this worker so far (recomputes included)
+    num_steps: int = 0
+    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    latency: PassLatency = field(default_factory=PassLatency)
+    poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
+    draining: bool = False  # the worker is stopping: its running sequences finish, no new ones come
