@@ -6,7 +6,8 @@ Keys and streams (all JSON in a single ``data`` field):
   scheduler acknowledges (XACK) an entry only when its sequence has finished, so a restarted
   scheduler re-claims unfinished requests.
 - ``responses_stream(gateway_id)``: one entry per scheduler step and gateway, ``{"events": [...]}``
-  with ``TokenMessage`` dicts for every request of that gateway that produced something.
+  with ``TokenMessage`` dicts for every request of that gateway that produced something; a field at
+  its default may be left out (``TokenMessage.to_wire``), the reader fills it in.
 - ``CONTROL`` stream: ``ControlMessage`` (abort: client gone, or a stop string matched).
 - ``worker_key(worker_id)``: a worker's ``WorkerRecord``, written with a TTL and refreshed by its
   heartbeat; a worker whose key expires is dead.
@@ -54,7 +55,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 PREFIX = "fuseserve"
 REQUESTS = f"{PREFIX}:requests"
@@ -189,6 +190,20 @@ class TokenMessage:
     cached_tokens: int = 0
     prompt_logprobs: dict | None = None
 
+    def to_wire(self) -> dict:
+        """The event as sent: its fields, those at their default left out (``decode_events`` fills
+        them in; a plain token is ``{"seq_id", "index", "token_id"}``, a third of the full dict)."""
+        return {k: v for k, v in vars(self).items() if v != _TOKEN_DEFAULTS.get(k, _REQUIRED)}
+
+
+_REQUIRED = object()  # a field without a default: always sent
+#: ``TokenMessage``'s defaults, field name → value (a field at its default is left off the wire)
+_TOKEN_DEFAULTS = {
+    f.name: f.default if f.default is not MISSING else f.default_factory()
+    for f in fields(TokenMessage)
+    if f.default is not MISSING or f.default_factory is not MISSING
+}
+
 
 def prompt_logprobs_to_wire(p) -> dict | None:
     """A ``fuseserve.types.PromptLogprobs`` as ``TokenMessage.prompt_logprobs`` (None stays None)."""
@@ -198,10 +213,11 @@ def prompt_logprobs_to_wire(p) -> dict | None:
     return {"start_pos": p.start_pos, "logprobs": list(p.logprobs), "top": top}
 
 
-def encode_events(events: list[TokenMessage]) -> dict[str, str]:
-    """One stream entry for a batch of events (the fields are plain values: ``vars``, not the
-    recursive copy of ``asdict``, which cost more than the rest of the write)."""
-    return {"data": json.dumps({"events": [vars(e) for e in events]})}
+def encode_events(events: list[TokenMessage | dict]) -> dict[str, str]:
+    """One stream entry for a batch of events: ``TokenMessage``s, or their wire dicts already
+    (``TokenMessage.to_wire``'s form: fields at their default may be left out)."""
+    wire = [e if type(e) is dict else e.to_wire() for e in events]
+    return {"data": json.dumps({"events": wire}, separators=(",", ":"))}
 
 
 def decode_events(fields: dict) -> list[TokenMessage]:

@@ -17,7 +17,10 @@ from fuseserve.redis_launcher import launch_redis
 from fuseserve.scheduler import redis_io
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.redis_io import RedisInbox
+from fuseserve.scheduler.scheduler import TokenEvent
+from fuseserve.scheduler.sequence import FinishReason
 from fuseserve.scheduler.worker_leases import WorkerLeases
+from fuseserve.types import PromptLogprobs, SampledToken, TokenLogprob
 
 
 @pytest.fixture
@@ -111,3 +114,147 @@ def test_lease_renewal_notes_a_lease_another_scheduler_took(r):
     leases.renew()
     assert leases._lost == {"w1"}
     assert r.pttl(messages.worker_lease_key("w0")) > 1000  # extended to SCHEDULER_TTL_S
+
+
+def full_token_message(ev: TokenEvent) -> messages.TokenMessage:
+    """Every field of an event, spelled out (the form the wire had before defaults were left out)."""
+    tok = ev.token
+    return messages.TokenMessage(
+        seq_id=ev.seq_id,
+        index=ev.index,
+        token_id=tok.token_id if tok else None,
+        logprob=tok.logprob if tok else None,
+        top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok and tok.top_logprobs else [],
+        hidden=ev.hidden,
+        prompt_logprobs=messages.prompt_logprobs_to_wire(ev.prompt_logprobs),
+        finish_reason=ev.finish_reason.value if ev.finish_reason else None,
+        cached_tokens=ev.cached_tokens,
+        error=None
+        if ev.error is None
+        else {"message": ev.error, "type": redis_io._error_type(ev.error_status), "status": ev.error_status},
+    )
+
+
+EVENTS = [
+    TokenEvent(1, SampledToken(1, 42), index=0, cached_tokens=16),
+    TokenEvent(2, SampledToken(2, 0, logprob=0.0), index=3),
+    TokenEvent(3, SampledToken(3, 7, -0.5, [TokenLogprob(7, -0.5), TokenLogprob(9, -1.5)]), index=1),
+    TokenEvent(4, SampledToken(4, 2), FinishReason.STOP, hidden=True, index=9),
+    TokenEvent(5, None, FinishReason.ABORT, error="no worker is available", error_status=503),
+    TokenEvent(6, None, index=-1, prompt_logprobs=PromptLogprobs(6, 1, [-0.25], [[TokenLogprob(5, -0.25)]])),
+    TokenEvent(7, SampledToken(7, 11), FinishReason.LENGTH, index=4),
+]
+
+
+def test_compact_wire_decodes_to_the_full_message():
+    wire = [redis_io.token_wire(ev) for ev in EVENTS]
+    assert wire[1] == {"seq_id": 2, "index": 3, "token_id": 0, "logprob": 0.0}
+    assert messages.decode_events(messages.encode_events(wire)) == [full_token_message(ev) for ev in EVENTS]
+    full = [full_token_message(ev) for ev in EVENTS]  # TokenMessages encode the same way
+    assert json.loads(messages.encode_events(full)["data"]) == json.loads(
+        messages.encode_events(wire)["data"]
+    )
+
+
+def test_publisher_writes_acks_and_reconnects(r):
+    pub = redis_io.LoopConnection(r)
+    add_requests(r, 2)
+    entries = r.xreadgroup(messages.SCHEDULER_GROUP, "sched-a", {messages.REQUESTS: ">"}, count=2)[0][1]
+    ids = [eid for eid, _ in entries]
+    wire = [redis_io.token_wire(ev) for ev in EVENTS]
+    pub.publish({"gw1": wire[:3], "gw2": wire[3:]}, ids[:1])
+    got = {
+        gw: [e for _, f in r.xrange(messages.responses_stream(gw)) for e in messages.decode_events(f)]
+        for gw in ("gw1", "gw2")
+    }
+    assert got == {
+        "gw1": [full_token_message(ev) for ev in EVENTS[:3]],
+        "gw2": [full_token_message(ev) for ev in EVENTS[3:]],
+    }
+    assert r.xpending(messages.REQUESTS, messages.SCHEDULER_GROUP)["pending"] == 1
+    assert [eid for eid, _ in r.xrange(messages.REQUESTS)] == ids[1:]  # acknowledged and deleted
+    r.client_kill_filter(_type="normal", skipme=True)  # the publisher's connection is gone
+    pub.publish({}, ids[1:])
+    assert r.xpending(messages.REQUESTS, messages.SCHEDULER_GROUP)["pending"] == 0
+    r.set(messages.responses_stream("bad"), "not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        pub.publish({"bad": wire[:1], "gw1": wire[:1]})
+    pub.publish({"gw1": wire[:1]})  # every reply was read: the connection is still in step
+    assert r.xlen(messages.responses_stream("gw1")) == 3
+    pub.close()
+
+
+def test_discovery_reads_records_and_live_schedulers_in_one_call(r):
+    core = EngineCore(EngineConfig(token_budget=64), eos_token_ids=[])
+    leases = WorkerLeases(r, "sched-a", core)
+    assert leases.read_records() == ({}, 0)
+    recs = [
+        messages.WorkerRecord(f"w{i}", f"127.0.0.1:{5000 + i}", "m", 16, 100, 512, 1000, [2], 64)
+        for i in range(3)
+    ]
+    for rec in recs:
+        r.set(messages.worker_key(rec.worker_id), rec.encode())
+    for i in range(1500):  # more keys than one SCAN page
+        r.set(f"other:{i}", 1)
+    for name in ("sched-a", "sched-b"):
+        r.set(messages.scheduler_live_key(name), 1)
+    records, live = leases.read_records()
+    assert records == {rec.worker_id: rec for rec in recs} and live == 2
+    recs[1].draining = True
+    r.set(messages.worker_key("w1"), recs[1].encode())
+    r.delete(messages.worker_key("w2"))
+    again, _ = leases.read_records()
+    assert (
+        again == {"w0": recs[0], "w1": recs[1]} and again["w0"] is records["w0"]
+    )  # unchanged: not decoded again
+
+
+def test_lease_renewal_loads_a_script_redis_lost(r):
+    core = EngineCore(EngineConfig(token_budget=64), eos_token_ids=[])
+    leases = WorkerLeases(r, "sched-a", core)
+    r.set(messages.worker_lease_key("w0"), "sched-a", px=1000)
+    leases.leased.add("w0")
+    r.script_flush()  # a restarted Redis
+    leases.renew()
+    assert not leases._lost and r.pttl(messages.worker_lease_key("w0")) > 1000
+    r.script_flush()  # the heartbeat's way: the commands on its own connection
+    r.pexpire(messages.worker_lease_key("w0"), 1000)
+    wids, commands = leases.renew_commands()
+    replies = redis_io.LoopConnection(r).call(commands)
+    assert isinstance(replies[0], redis.exceptions.NoScriptError)
+    leases.note_renewals(wids, replies)
+    assert not leases._lost and r.pttl(messages.worker_lease_key("w0")) > 1000
+
+
+def test_claim_command_takes_idle_entries_with_their_fields(r):
+    add_requests(r, 3)
+    r.xreadgroup(messages.SCHEDULER_GROUP, "dead", {messages.REQUESTS: ">"}, count=3)
+    first = r.xrange(messages.REQUESTS)[0][0]
+    r.xdel(messages.REQUESTS, first)  # deleted while pending
+    conn = redis_io.LoopConnection(r)
+    (reply,) = conn.call([redis_io.claim_command("sched-a", 10)])
+    assert redis_io.parse_claim(reply) == ("0-0", [])  # not idle long enough yet
+    r.xclaim(
+        messages.REQUESTS,
+        messages.SCHEDULER_GROUP,
+        "dead",
+        0,
+        [e for e, _ in r.xrange(messages.REQUESTS)] + [first],
+        idle=messages.HANDBACK_IDLE_MS,
+        justid=True,
+    )
+    (reply,) = conn.call([redis_io.claim_command("sched-a", 10)])
+    _, entries = redis_io.parse_claim(reply)
+    assert [messages.RequestMessage.decode(f).seq_id for _, f in entries if f] == [1, 2]
+    assert all(f == {} for e, f in entries if e == first)  # a deleted entry: no fields, or left out
+    conn.close()
+
+
+def test_pack_commands_is_redis_py_packing(r):
+    commands = [
+        ("XADD", "s", "MAXLEN", "~", 100000, "*", "data", '{"é": 1}'),
+        ("XACK", messages.REQUESTS, messages.SCHEDULER_GROUP, "1-1", "2-0"),
+        ("SET", "k", b"\x00\xff", "EX", 10),
+    ]
+    conn = r.connection_pool.connection_class(**r.connection_pool.connection_kwargs)
+    assert redis_io.pack_commands(commands) == b"".join(conn.pack_commands(commands))
