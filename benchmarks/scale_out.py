@@ -19,6 +19,8 @@ workload) for ``--warmup`` seconds, then a measured window of ``--seconds``. Rep
   p50 / p99 are over those intervals, and ``mean`` is the whole window's CPU ÷ its steps;
 - CPU used by each control-plane process (scheduler, gateway, Redis), all workers and this client,
   in cores, so the machine's headroom is visible;
+- with ``--decode-passes K``: the scheduler plans up to K decode passes per plan (multi-step); a
+  worker-step is still one pass (the workers count each pass in their metrics);
 - a heterogeneous run: 2 workers with slowdowns ``--hetero`` (default 1,3): each one's busy fraction
   and the fast / slow ratio of generated tokens.
 
@@ -145,6 +147,7 @@ class Bench:
             simulate=args.preset,
             simulate_slowdown=str(args.slowdown),
             log_level="WARNING",
+            decode_passes=args.decode_passes,
         )
         self.stack: Stack | None = None
         self.base = ""
@@ -354,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seconds", type=float, default=None, help="measured window (default 20; quick 10)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--decode-passes", type=int, default=1, help="the scheduler's --decode-passes K (default: 1)"
+    )
     ap.add_argument("--out", default=None, help="JSON lines (default results/scale_out[_quick].jsonl)")
     a = ap.parse_args(argv)
     a.warmup = a.warmup if a.warmup is not None else (3.0 if a.quick else 5.0)

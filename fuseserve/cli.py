@@ -73,6 +73,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         attention_backend=a.attention_backend,
         target_itl=a.target_itl,
         target_prefill_rate=a.target_prefill_rate,
+        decode_passes=a.decode_passes,
     )
     try:
         kwargs = cli_kwargs(a)
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _engine_args(g)
     service_cli.slo_args(g)
+    service_cli.decode_passes_arg(g)
     add_cli_flags(g, GENERATE_DEFAULTS)
     g.set_defaults(func=cmd_generate)
 

@@ -160,6 +160,10 @@ class EngineConfig:
         None (and no prefill-rate target): the fixed ``token_budget``.
     target_prefill_rate: prompt tokens per second of TTFT allowance (TTFT target = prompt tokens /
         rate); waiting prompts run earliest deadline first. None: no TTFT deadlines.
+    decode_passes: decode passes per plan when a worker's pass holds decodes only and nothing waits
+        to be placed (multi-step scheduling, as vLLM v0's ``--num-scheduler-steps``; the worker
+        feeds its own sampled tokens, ``services/worker/multi_pass.py``); 1 (default): one pass per
+        plan.
     """
 
     token_budget: int | None = None
@@ -177,6 +181,7 @@ class EngineConfig:
     prefix_aware_placement: bool = True
     target_itl: float | None = None
     target_prefill_rate: float | None = None
+    decode_passes: int = 1
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` for an out-of-range field."""
@@ -196,6 +201,8 @@ class EngineConfig:
             raise InvalidParameterError("watermark_blocks", self.watermark_blocks, ">= 0")
         if self.max_preemptions < 0:
             raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
+        if not isinstance(self.decode_passes, int) or self.decode_passes < 1:
+            raise InvalidParameterError("decode_passes", self.decode_passes, "an integer >= 1")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
         for name in ("target_itl", "target_prefill_rate"):

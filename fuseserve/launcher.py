@@ -170,6 +170,8 @@ def _slo_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name, None)
         if value is not None:
             argv += ["--" + name.replace("_", "-"), str(value)]
+    if getattr(args, "decode_passes", 1) != 1:  # multi-step decoding, also a scheduler option
+        argv += ["--decode-passes", str(args.decode_passes)]
     return argv
 
 

@@ -88,6 +88,7 @@ class Pipeline:
         prefix_caching: bool = True,
         target_itl: float | None = None,
         target_prefill_rate: float | None = None,
+        decode_passes: int = 1,
         tokenizer: str | None = None,
         chat_template: str | None = None,
         max_model_len: int | None = None,
@@ -105,6 +106,7 @@ class Pipeline:
             enable_prefix_caching=prefix_caching,
             target_itl=target_itl,
             target_prefill_rate=target_prefill_rate,
+            decode_passes=decode_passes,
         )
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
@@ -359,6 +361,8 @@ def pipeline(
     default True), target_itl (seconds) and target_prefill_rate (prompt tokens/s; TTFT target =
     prompt tokens / rate): latency targets that size each SplitFuse pass from this device's measured
     latency curve (``docs/architecture.md``, "SLO-driven token budget"); default None (fixed budget);
+    decode_passes (decode passes per plan when a pass holds decodes only and no request waits,
+    ``docs/architecture.md``, "Multi-step decoding"; default 1);
     prefix_caching (reuse the KV of prompt prefixes already computed; default True); tokenizer (a
     tokenizer directory replacing the model's; without any tokenizer only
     token-id prompts work), chat_template (a Jinja file replacing the model's), max_model_len

@@ -183,6 +183,18 @@ def slo_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def decode_passes_arg(p: argparse.ArgumentParser) -> None:
+    """``--decode-passes K``: multi-step decoding (``EngineConfig.decode_passes``)."""
+    p.add_argument(
+        "--decode-passes",
+        type=int,
+        default=1,
+        metavar="K",
+        help="decode passes per plan when a worker's pass holds decodes only and no request waits: "
+        "one round trip for K tokens per sequence (default: 1)",
+    )
+
+
 def add_parsers(sub, engine_args) -> None:
     """Register ``serve``, ``gateway``, ``scheduler`` and ``worker`` on the ``fuseserve`` parser."""
     s = sub.add_parser(
@@ -194,6 +206,7 @@ def add_parsers(sub, engine_args) -> None:
     _model_positional(s)
     engine_args(s)
     slo_args(s)
+    decode_passes_arg(s)
     _front_end(s)
     s.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
     s.add_argument(
@@ -265,6 +278,7 @@ def add_parsers(sub, engine_args) -> None:
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: a free one)"
     )
     slo_args(c)
+    decode_passes_arg(c)
     c.add_argument(
         "--no-overlap",
         dest="overlap",

@@ -50,11 +50,17 @@ class StepPlan:
     """One forward pass for one worker: chunks to run, then sequences to free.
 
     free_seq_ids are released *before* the chunks run (their blocks become usable by this step).
+    num_passes: decode passes to run (multi-step scheduling, ``services/worker/multi_pass.py``); > 1
+        only when every chunk is a decode entry (``num_tokens == 1``, ``sample``) whose ``block_ids``
+        cover all its passes. Each later pass feeds every sequence the token it sampled last; a
+        sequence stops taking passes once it reaches ``max_new_tokens`` or samples a stop token
+        (EOS unless ``ignore_eos``, or one of ``stop_token_ids``, past ``min_new_tokens``).
     """
 
     step_id: int
     chunks: list[SeqChunk] = field(default_factory=list)
     free_seq_ids: list[int] = field(default_factory=list)
+    num_passes: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -96,9 +102,11 @@ class PromptLogprobs:
 
 @dataclass
 class StepResult:
-    """What a worker returns for a StepPlan: one SampledToken per chunk with ``sample=True``, in plan order.
+    """What a worker returns for a StepPlan: one SampledToken per chunk with ``sample=True``, in plan
+    order; with ``num_passes > 1``, those of every pass in pass order (per pass, plan order).
 
-    forward_seconds: wall seconds of the pass on the worker (prepare + forward + sample).
+    forward_seconds: wall seconds of the pass on the worker (prepare + forward + sample); of all its
+        passes together for a multi-pass plan.
     idle_seconds: seconds the worker waited for this plan after its previous pass ended; None when
         not measured (an in-process runner, or the first pass after a reset).
     prompt_logprobs: prompt-token logprobs computed by the pass (sequences that asked for them).
@@ -109,6 +117,7 @@ class StepResult:
     forward_seconds: float = 0.0
     idle_seconds: float | None = None
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    num_passes: int = 1  # forward passes the worker ran for the plan (<= the plan's num_passes)
 
 
 class FinishReason(enum.Enum):

@@ -113,7 +113,7 @@ def seq_chunk_from_proto(msg: pb.SeqChunk) -> SeqChunk:
 
 def step_plan_to_proto(plan: StepPlan) -> pb.StepRequest:
     """StepPlan → ``StepRequest`` (chunks in plan order)."""
-    msg = pb.StepRequest(step_id=plan.step_id, free_seq_ids=plan.free_seq_ids)
+    msg = pb.StepRequest(step_id=plan.step_id, free_seq_ids=plan.free_seq_ids, num_passes=plan.num_passes)
     chunks = msg.chunks
     for chunk in plan.chunks:
         _add_chunk(chunks, chunk)
@@ -126,6 +126,7 @@ def step_plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         step_id=msg.step_id,
         chunks=[seq_chunk_from_proto(c) for c in msg.chunks],
         free_seq_ids=list(msg.free_seq_ids),
+        num_passes=max(1, msg.num_passes),
     )
 
 
@@ -171,6 +172,7 @@ def step_result_to_proto(result: StepResult, num_free_blocks: int = 0) -> pb.Ste
             )
             for p in result.prompt_logprobs
         ],
+        num_passes=result.num_passes,
     )
 
 
@@ -189,6 +191,7 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
         ]
         if msg.prompt_logprobs
         else [],
+        num_passes=max(1, msg.num_passes),
     )
 
 

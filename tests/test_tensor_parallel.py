@@ -122,7 +122,8 @@ def test_smollm2_tp3_greedy_equals_tp1(smollm2_source, tmp_path):
 
 def test_worker_runner_broadcasts_plans_and_stops_ranks(tmp_path):
     """``tensor_parallel.start``: rank 0 here, rank 1 spawned; ``step`` with decode entries that carry
-    no token (as the scheduler sends them) samples the same greedy tokens as one process."""
+    no token (as the scheduler sends them), one of them a 3-pass plan, samples the same greedy tokens
+    as one process."""
     from transformers import AutoConfig
 
     from fuseserve.sampling_params import SamplingParams
@@ -138,7 +139,13 @@ def test_worker_runner_broadcasts_plans_and_stops_ranks(tmp_path):
         assert parallel.world() == (0, 2)
         first = SeqChunk(7, 0, len(prompt), prompt, True, SamplingParams(temperature=0.0), len(prompt))
         tokens = [runner.step(with_blocks(runner, StepPlan(0, [first]))).tokens[0].token_id]
-        for i in range(1, 8):
+        # a multi-step plan (``multi_pass.run_passes``): 3 passes, each broadcast as one pass; the
+        # prompt's last block holds their positions
+        multi = StepPlan(1, [SeqChunk(7, len(prompt), 1, [], True, None, len(prompt))], num_passes=3)
+        result = runner.step(multi)
+        assert result.num_passes == 3
+        tokens += [t.token_id for t in result.tokens]
+        for i in range(4, 8):
             decode = SeqChunk(7, len(prompt) + i - 1, 1, [], True, None, len(prompt))
             tokens.append(runner.step(with_blocks(runner, StepPlan(i, [decode]))).tokens[0].token_id)
         free(runner, [7])

@@ -87,6 +87,11 @@ class _Lane:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _num_passes(result: StepResult | Exception) -> int:
+    """Worker-steps a result stands for: the passes a multi-pass plan ran, else one."""
+    return max(1, getattr(result, "num_passes", 1))
+
+
 STATS_WINDOW = 20_000  # worker-steps kept in ``CoreStats``
 
 
@@ -348,7 +353,7 @@ class EngineCore:
                 break
             out.extend(self._apply(lane, result))
             applied += 1
-            self.num_completions += 1
+            self.num_completions += _num_passes(result)
             if limit is None:
                 self._dispatch_worker(lane.name)
             else:  # ``step``: at the start of the next round
@@ -365,7 +370,7 @@ class EngineCore:
             # the plan failed, the worker lives: fail those sequences
             log.error("step on worker %s failed: %s: %s", name, type(result).__name__, result)
             return self.scheduler.fail_plan(name, f"{type(result).__name__}: {result}")
-        self.stats.num_worker_steps += 1
+        self.stats.num_worker_steps += _num_passes(result)
         idle = getattr(result, "idle_seconds", None)
         if idle is not None and idle >= 0:
             self.stats.idle_s.append(idle)

@@ -11,6 +11,7 @@ import collections
 from typing import TYPE_CHECKING
 
 from fuseserve.errors import SchedulerError
+from fuseserve.scheduler import multi_pass
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.scheduler.worker_slot import WorkerSlot
 from fuseserve.types import StepResult, TokenEvent
@@ -92,6 +93,12 @@ class Postprocess:
             raise SchedulerError(
                 f"worker {worker}: result of step {result.step_id}, expected {record.plan.step_id}"
             )
+        if record.passes is not None:  # per pass: placement and the latency fit see one pass
+            seconds = result.forward_seconds / max(1, result.num_passes)
+            slot.step_time.observe(record.num_tokens, seconds)
+            if self.slo is not None:
+                slot.latency.observe(PassShape.of_plan(record.plan), seconds)
+            return multi_pass.apply_passes(self, worker, record, result)
         slot.step_time.observe(record.num_tokens, result.forward_seconds)
         if self.slo is not None:
             slot.latency.observe(PassShape.of_plan(record.plan), result.forward_seconds)

@@ -20,6 +20,9 @@ it) leaves one surplus token: it is dropped here (the sequence is finished, so n
 and the sequence's blocks are freed with the worker's next plan. Length stops are never late: a
 sequence whose plan in flight reaches ``max_new_tokens`` is not planned again.
 
+With ``decode_passes > 1`` a plan of decodes only may run several passes on the worker
+(multi-step decoding, ``fuseserve.scheduler.multi_pass``).
+
 ``prefill_first`` (vLLM v0, TGI before chunking) and ``whole_prompt`` (Orca) are the same machinery
 with different choices (``fuseserve.scheduler.policies``).
 
@@ -40,6 +43,7 @@ from typing import Any
 from fuseserve.block_hash import root_hash
 from fuseserve.config import EngineConfig
 from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
+from fuseserve.scheduler import multi_pass
 from fuseserve.scheduler.admission import Admission
 from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
@@ -217,14 +221,22 @@ class Scheduler(Admission, Postprocess):
                 schedule_decodes(self, slot, draft)
             if not draft.entries and not slot.pending_free:
                 continue
+            passes = multi_pass.plan_passes(self, slot, draft)  # None: one pass (decode_passes = 1)
             hashed: list[int] = []
             chunks = [self._chunk(slot, seq, n, hashed) for seq, n in draft.entries]
             plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
+            if passes is not None:
+                multi_pass.advance(draft, passes)
+                plan.num_passes = max(passes.values())
             slot.num_steps += 1
             slot.pending_free = []
             slot.inflight.append(
                 InFlight(
-                    plan, [(seq, n, seq.admitted_at) for seq, n in draft.entries], hashed, draft.num_tokens
+                    plan,
+                    [(seq, n, seq.admitted_at) for seq, n in draft.entries],
+                    hashed,
+                    draft.num_tokens,
+                    passes,
                 )
             )
             plans[slot.name] = plan

@@ -429,6 +429,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         enable_prefix_caching=getattr(args, "prefix_caching", True),
         target_itl=getattr(args, "target_itl", None),
         target_prefill_rate=getattr(args, "target_prefill_rate", None),
+        decode_passes=getattr(args, "decode_passes", 1),
     )
     service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
     stop = threading.Event()

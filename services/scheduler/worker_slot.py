@@ -21,12 +21,14 @@ class InFlight:
     still running on that worker under the same admission (not preempted, moved or finished since).
     hashed: blocks this plan fills that were added to the prefix cache when it was built.
     num_tokens: tokens in the plan (``plan.num_tokens``, counted once).
+    passes: with ``plan.num_passes > 1``, the passes planned per sequence id (``multi_pass.py``).
     """
 
     plan: StepPlan
     entries: list[tuple[Sequence, int, int]]
     hashed: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    passes: dict[int, int] | None = None
 
 
 @dataclass

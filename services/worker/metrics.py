@@ -109,7 +109,10 @@ class WorkerMetrics:
             server, _ = start_http_server(port, registry=r)
             self.port = server.server_port
 
-    def observe_step(self, tokens: int, sampled: int, seconds: float) -> None:
-        """Record one pass of ``tokens`` tokens that took ``seconds`` and sampled ``sampled`` tokens."""
-        self._forward.labels(self.model_name, self.worker_id, pass_size_label(tokens)).observe(seconds)
+    def observe_step(self, tokens: int, sampled: int, seconds: float, passes: int = 1) -> None:
+        """Record a plan of ``tokens`` tokens that took ``seconds`` and sampled ``sampled`` tokens; a
+        multi-pass plan's ``passes`` passes are observed one by one, each ``seconds / passes``."""
+        forward = self._forward.labels(self.model_name, self.worker_id, pass_size_label(tokens))
+        for _ in range(max(1, passes)):
+            forward.observe(seconds / max(1, passes))
         self.sampled_tokens.inc(sampled)

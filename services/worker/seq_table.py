@@ -31,6 +31,8 @@ class WorkerSeq:
     sampling: the runner's per-sequence sampling state (penalties' token history, seeded generator,
         parameters); None for a runner that keeps none.
     prompt_len: prompt tokens (penalties tell prompt from generated tokens by it).
+    stopped: a multi-pass plan stopped it on a stop token (``multi_pass.py``); its chunks in plans
+        built before the scheduler learned so are dropped until it is freed or restarted.
     """
 
     num_computed: int
@@ -38,6 +40,7 @@ class WorkerSeq:
     sampling: Any
     prompt_len: int
     block_table: list[int]
+    stopped: bool = False
 
 
 class SeqTable:

@@ -127,7 +127,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         time.sleep(0)  # hand the GIL to a plan queued behind this one: its pass starts now
         result.idle_seconds = idle
         if self.metrics is not None:
-            self.metrics.observe_step(plan.num_tokens, len(result.tokens), result.forward_seconds)
+            self.metrics.observe_step(
+                plan.num_tokens, len(result.tokens), result.forward_seconds, result.num_passes
+            )
         return convert.step_result_to_proto(result, free)
 
     def _end_step(self, step_id: int) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SampledToken, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker.latency_model import LatencyModel
+from fuseserve.worker.multi_pass import run_passes
 from fuseserve.worker.runner import WorkerInfo
 from fuseserve.worker.seq_table import SeqTable, WorkerSeq
 
@@ -96,7 +97,11 @@ class SimulatedRunner:
         return self.model.plan_seconds(plan) * self.slowdown if plan.chunks else 0.0
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Free, check and account the plan like ``ModelRunner.step``, wait the modelled time, sample."""
+        """Run ``plan``'s passes (``multi_pass.run_passes``; one unless ``plan.num_passes > 1``)."""
+        return run_passes(self, plan, self.step_pass)
+
+    def step_pass(self, plan: StepPlan) -> StepResult:
+        """Free, check and account the plan like ``ModelRunner.step_pass``, wait the modelled time, sample."""
         t0 = time.perf_counter()
         self.seq_table.free(plan.free_seq_ids)
         sampling = []

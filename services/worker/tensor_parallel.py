@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from fuseserve.errors import FuseServeError
 from fuseserve.types import StepPlan, StepResult
 from fuseserve.worker.model_runner import ModelRunner
+from fuseserve.worker.multi_pass import run_passes
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,13 @@ class TensorParallelRunner:
         return getattr(self.runner, name)
 
     def step(self, plan: StepPlan) -> StepResult:
-        plan = self._with_decode_tokens(plan)
+        """Run ``plan``'s passes on rank 0 (``multi_pass.run_passes``), each broadcast as a one-pass plan."""
+        return run_passes(self, plan, self._step_pass)
+
+    def _step_pass(self, plan: StepPlan) -> StepResult:
+        plan = dataclasses.replace(self._with_decode_tokens(plan), num_passes=1)
         self._broadcast(("pass", plan, False))
-        return self._in_step(self.runner.step, plan)
+        return self._in_step(self.runner.step_pass, plan)
 
     def run_pass(self, plan: StepPlan, all_logits: bool = False):
         plan = self._with_decode_tokens(plan)
