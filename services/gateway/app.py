@@ -308,8 +308,11 @@ class Gateway:
             if first is not None:
                 yield sse(first)
             async for deltas in gen.batches():
+                if gen.error is not None:  # the text that came before the error is sent; the error event ends
+                    for d in deltas.values():
+                        d.finished = False
                 chunk = renderer.delta_chunk(gen.seqs, deltas, include_usage)
-                if chunk is not None and gen.error is None:
+                if chunk is not None:
                     yield sse(chunk)
             if gen.error is not None:
                 exc = scheduler_error(gen.error)
