@@ -38,7 +38,13 @@ def fake(redis_server):
 @pytest.fixture(autouse=True)
 def _reset_fake(fake):
     yield
-    fake.token_delay, fake.error_next, fake.error_after, fake.duplicate = 0.0, None, None, False
+    fake.token_delay, fake.error_next, fake.error_after, fake.duplicate, fake.burst = (
+        0.0,
+        None,
+        None,
+        False,
+        False,
+    )
     if fake.dead:
         fake.revive()
     fake.add_worker()

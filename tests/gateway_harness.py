@@ -48,7 +48,8 @@ class _Seq:
 class FakeScheduler:
     """A scheduler double in a thread. ``token_delay``: seconds per step; ``error_next``: the next
     request gets this error event; ``error_after``: ``(k, error)``, a sequence gets this error event
-    instead of its token k; ``duplicate``: every event is sent twice. ``kill()`` stops it as a crash
+    instead of its token k; ``duplicate``: every event is sent twice; ``burst``: a sequence's events up to its end go out in one
+    XADD (the gateway reads them in one batch). ``kill()`` stops it as a crash
     would (no heartbeat, no events); ``revive()`` restarts it with no sequence in flight."""
 
     def __init__(self, url: str):
@@ -58,6 +59,7 @@ class FakeScheduler:
         self.error_next: dict | None = None
         self.error_after: tuple[int, dict] | None = None
         self.duplicate = False
+        self.burst = False
         self._dead = threading.Event()
         self._beat_at = 0.0
         self.requests: list[RequestMessage] = []
@@ -154,9 +156,14 @@ class FakeScheduler:
     def _step(self) -> None:
         by_gateway: dict[str, list[TokenMessage]] = {}
         for sid, seq in list(self._live.items()):
-            by_gateway.setdefault(seq.msg.gateway_id, []).append(self._next_event(seq))
-            if by_gateway[seq.msg.gateway_id][-1].finish_reason is not None:
-                del self._live[sid]
+            events = by_gateway.setdefault(seq.msg.gateway_id, [])
+            while True:  # one event per step; with ``burst`` all of them up to the sequence's end
+                events.append(self._next_event(seq))
+                if events[-1].finish_reason is not None:
+                    del self._live[sid]
+                    break
+                if not self.burst:
+                    break
         for gateway_id, events in by_gateway.items():
             self._send(gateway_id, events)
 

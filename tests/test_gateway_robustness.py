@@ -136,7 +136,9 @@ def test_seed_and_stop_token_id_limits_are_accepted(http, fake):
     assert post(http, "/v1/completions", prompt="x", seed=-(2**63)).status_code == 200
 
 
-def test_scheduler_error_after_tokens_streamed(http, fake):
+@pytest.mark.parametrize("burst", [False, True], ids=["event_by_event", "one_batch"])
+def test_scheduler_error_after_tokens_streamed(http, fake, burst):
+    fake.burst = burst  # one_batch: the tokens and the error reach the gateway in one read
     fake.error_after = (3, {"message": "worker lost", "type": "service_unavailable", "status": 503})
     events = sse_events(http, "/v1/completions", prompt="one two three four five six", max_tokens=50)
     assert events[-1] == "[DONE]"
