@@ -152,3 +152,44 @@ def test_a_worker_that_answers_no_plan_in_time_is_cut_off_as_lost(worker, monkey
         assert time.monotonic() - started < 1.5
     finally:
         handle.close()
+
+
+def test_a_driven_loop_runs_plans_and_results_on_its_owners_thread(worker):
+    from fuseserve.scheduler.grpc_worker import IOLoop
+
+    runner, first = worker
+    runner.pass_s = 0.01
+    io = IOLoop(threaded=False)
+    handle = GrpcWorker(first.record, io)  # this thread runs the loop from now on
+    try:
+        handle.reset()
+        got: list[tuple[int, int]] = []  # (step_id, thread) of each result
+        for i in range(3):
+            handle.send(StepPlan(i), lambda sid, res: got.append((sid, threading.get_ident())))
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            io.wait(1.0)  # the plans go out and the results come in only while the loop runs here
+        assert [sid for sid, _ in got] == [0, 1, 2] and runner.order == [0, 1, 2]
+        assert {t for _, t in got} == {threading.get_ident()}
+        with pytest.raises(RuntimeError, match="threaded"):
+            handle.step(StepPlan(3))  # it would wait for a loop only this thread runs
+        other: list[BaseException] = []
+        t = threading.Thread(target=lambda: other.extend(_raised(handle.reset)))
+        t.start()
+        t.join()
+        assert len(other) == 1 and "owner" in str(other[0])
+        threading.Timer(0.1, io.wake).start()  # a reader thread's hand-over ends the wait early
+        started = time.monotonic()
+        io.wait(5.0)
+        assert time.monotonic() - started < 2.0
+    finally:
+        handle.close()
+        io.close()
+
+
+def _raised(fn) -> list[BaseException]:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the test looks at it
+        return [e]
+    return []

@@ -53,10 +53,11 @@ class _Lane:
     own thread; one with only ``step(plan)`` runs on the lane's thread, or inline when not threaded.
     """
 
-    def __init__(self, name: str, handle, done: queue.SimpleQueue, threaded: bool):
+    def __init__(self, name: str, handle, done: queue.SimpleQueue, threaded: bool, waiter=None):
         self.name = name
         self.handle = handle
         self._done = done
+        self._waiter = waiter
         self.results: dict[int, StepResult | Exception] = {}  # arrived, waiting for older plans
         self._pool = None
         self._send = getattr(handle, "send", None)
@@ -80,6 +81,8 @@ class _Lane:
 
     def _put(self, step_id: int, result: StepResult | Exception) -> None:
         self._done.put((self, step_id, result))
+        if self._waiter is not None:
+            self._waiter.wake()
 
     def close(self) -> None:
         """Drop plans not started; wait for the one running (a thread must not die inside a pass)."""
@@ -194,10 +197,17 @@ class EngineCore:
         config: engine configuration (token budget, policy, overlap, ...).
         eos_token_ids: the model's EOS ids.
         overlap: overrides ``config.overlap`` when given.
+        waiter: how ``poll`` waits for results when the handles' callbacks come on the polling thread
+            itself (``wait(timeout)`` runs their I/O until ``wake()``; the scheduler service passes its
+            driven ``grpc_worker.IOLoop``). None: block on the completion queue (results from other
+            threads).
     """
 
-    def __init__(self, config: EngineConfig, eos_token_ids: list[int], overlap: bool | None = None):
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: list[int], overlap: bool | None = None, waiter=None
+    ):
         self.scheduler = Scheduler(config, eos_token_ids)
+        self.waiter = waiter
         overlap = config.overlap if overlap is None else overlap
         self.overlap = overlap
         self.depth = 2 if overlap else 1
@@ -235,7 +245,7 @@ class EngineCore:
         self.scheduler.add_worker(
             name, num_blocks, block_size, max_model_len, token_budget, handle, latency_prior
         )
-        self._lanes[name] = _Lane(name, handle, self._done, threaded)
+        self._lanes[name] = _Lane(name, handle, self._done, threaded, self.waiter)
         self._dispatch_all = True
 
     def remove_worker(self, name: str) -> list[Sequence]:
@@ -277,6 +287,14 @@ class EngineCore:
     def wakeup(self) -> None:
         """Make a ``poll`` blocked in another thread return (new requests or commands arrived)."""
         self._done.put(_WAKE)
+        if self.waiter is not None:
+            self.waiter.wake()
+
+    def wait(self, timeout: float) -> None:
+        """Idle wait of an adapter with a ``waiter``: run the handles' I/O up to ``timeout`` seconds,
+        until a result or ``wakeup`` (None waiter: return at once)."""
+        if self.waiter is not None:
+            self.waiter.wait(timeout)
 
     # ----- stepping -----
     def poll(self, timeout: float | None = None, record_cpu: bool = True) -> list[TokenEvent]:
@@ -295,7 +313,11 @@ class EngineCore:
         if not any(s.inflight for s in self.scheduler.slots.values()):
             return events
         try:
-            item = self._done.get(timeout=timeout)
+            if self.waiter is None:
+                item = self._done.get(timeout=timeout)
+            else:  # the handles' I/O runs here: at least once, so the plans just sent go out
+                self.waiter.wait(0.0 if not self._done.empty() else timeout)
+                item = self._done.get_nowait()
         except queue.Empty:
             return events
         while True:
@@ -325,6 +347,8 @@ class EngineCore:
                 if lane is None or self._apply_ready(lane, 1, events):
                     want.discard(name)
             if want:
+                while self.waiter is not None and self._done.empty():
+                    self.waiter.wait(1.0)
                 self._arrived(self._done.get())
         return events
 

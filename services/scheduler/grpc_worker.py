@@ -1,11 +1,13 @@
 """A remote worker as an ``EngineCore`` handle: plans over one gRPC stream (``proto/worker.proto``).
 
-Every ``GrpcWorker`` of a process runs on one asyncio event-loop thread (``grpc.aio``), and each
-holds one ``Steps`` stream to its worker, opened when the handle is made. ``send(plan, on_result)``
-encodes the plan on the caller's thread and hands it to the loop without waiting for the previous
-plan's answer (overlap; the worker runs a session's plans in ``step_id`` order). Plans handed over
-before the loop wakes go out together: one wake-up of the loop per batch of plans, not one per plan.
-The loop reads the answers and calls ``on_result(step_id, result)`` on its own thread.
+Every ``GrpcWorker`` runs on one asyncio event loop (``grpc.aio``, an ``IOLoop``), and each holds one
+``Steps`` stream to its worker, opened when the handle is made. ``send(plan, on_result)`` encodes the
+plan on the caller's thread and queues it on the stream without waiting for the previous plan's
+answer (overlap; the worker runs a session's plans in ``step_id`` order); the loop reads the answers
+and calls ``on_result(step_id, result)`` on the loop's thread. The scheduler service drives the loop
+on its own thread (``IOLoop(threaded=False)``: the core waits for results by running the loop);
+tools and tests share a loop on a thread of its own (``IOLoop.shared()``), to which plans cross over
+in batches: one wake-up of the loop per batch of plans, not one per plan.
 
 A stream that breaks or ends (the worker died, restarted, or stopped serving) fails every plan in
 flight, and every later one, with ``WorkerLostError``: the core's lost-worker path. A plan the worker
@@ -41,32 +43,97 @@ OnResult = Callable[[int, "StepResult | Exception"], None]
 _FAILURE_CODES = {pb.STEP_REJECTED: "INTERNAL", pb.STEP_STALE: "ABORTED"}
 
 
-class _Loop:
-    """The event-loop thread shared by every ``GrpcWorker`` of the process, and its outbox: plans
-    handed over by other threads, written to their streams by one callback per batch."""
+class IOLoop:
+    """The asyncio event loop every ``GrpcWorker`` of a process (or of one ``IOLoop``) runs on, and
+    its outbox: plans handed over by other threads, written to their streams by one callback per batch.
 
-    _shared: _Loop | None = None
+    threaded=True (``IOLoop.shared()``, for tools and tests): the loop runs forever on a thread of its
+    own; results arrive on that thread, plans cross over to it.
+    threaded=False (the scheduler service): the loop runs on its owner's thread (the first thread
+    that calls ``wait`` or ``run``), only inside ``wait(timeout)`` and ``run(coro)``. Plans sent on
+    that thread are queued on their streams directly, results are handed to the core on it, and the
+    core waits in ``wait``, woken by ``wake``: no thread hand-over, no lock and no cross-thread
+    wake-up per worker-step. This is the ``waiter`` an ``EngineCore`` takes.
+    """
+
+    _shared: IOLoop | None = None
     _make = threading.Lock()
 
-    def __init__(self):
+    def __init__(self, threaded: bool = True):
         self.loop = asyncio.new_event_loop()
+        self.threaded = threaded
         self._lock = threading.Lock()
         self._outbox: list[tuple[GrpcWorker, int, pb.StepRequest, OnResult]] = []
-        threading.Thread(target=self.loop.run_forever, name="grpc-workers", daemon=True).start()
+        self._owner: int | None = None  # the thread the loop runs on
+        self._waiter: asyncio.Future | None = None  # resolved by ``wake`` (driven mode)
+        self._woken = False  # a wake came while no ``wait`` ran: the next one returns at once
+        if threaded:
+            thread = threading.Thread(target=self.loop.run_forever, name="grpc-workers", daemon=True)
+            thread.start()
+            self._owner = thread.ident
 
     @classmethod
-    def shared(cls) -> _Loop:
+    def shared(cls) -> IOLoop:
         with cls._make:
             if cls._shared is None:
                 cls._shared = cls()
             return cls._shared
 
+    def _own(self) -> bool:
+        """True on the owner's thread (a driven loop is owned by the first thread that runs it)."""
+        me = threading.get_ident()
+        if self._owner is None and not self.threaded:
+            self._owner = me
+        return me == self._owner
+
     def run(self, coro, timeout: float):
-        """Run ``coro`` on the loop from another thread; its result, or what it raised."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        """Run ``coro`` on the loop; its result, or what it raised (``TimeoutError`` after
+        ``timeout`` seconds). A driven loop runs it on the owner's thread, which must not be inside
+        the loop already; from another thread it raises ``RuntimeError``."""
+        if self.threaded:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        if not self._own():
+            coro.close()
+            raise RuntimeError("a driven IOLoop runs on its owner's thread only")
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def wait(self, timeout: float) -> None:
+        """Driven loop: run it on this thread (gRPC reads and writes, result callbacks) until ``wake``
+        or ``timeout`` seconds; at least one iteration, so plans queued meanwhile go out."""
+        if not self._own():
+            raise RuntimeError("a driven IOLoop runs on its owner's thread only")
+        fut = self.loop.create_future()
+        self._waiter = fut
+        if self._woken:
+            fut.set_result(None)
+        timer = self.loop.call_later(max(0.0, timeout), _resolve, fut)
+        try:
+            self.loop.run_until_complete(fut)
+        finally:
+            timer.cancel()
+            self._waiter = None
+            self._woken = False
+
+    def wake(self) -> None:
+        """End the current (or the next) ``wait``; from any thread."""
+        if self.threaded:
+            return
+        if threading.get_ident() == self._owner:
+            self._wake_here()
+        else:
+            self.loop.call_soon_threadsafe(self._wake_here)
+
+    def _wake_here(self) -> None:
+        self._woken = True
+        if self._waiter is not None:
+            _resolve(self._waiter)
 
     def post(self, worker: GrpcWorker, step_id: int, request: pb.StepRequest, on_result: OnResult) -> None:
-        """Queue a plan for ``worker``'s stream; wakes the loop only when the outbox was empty."""
+        """Queue a plan for ``worker``'s stream: at once on a driven loop's own thread; otherwise
+        through the outbox, waking the loop only when the outbox was empty."""
+        if not self.threaded and self._own():
+            worker._enqueue(step_id, request, on_result)
+            return
         with self._lock:
             self._outbox.append((worker, step_id, request, on_result))
             wake = len(self._outbox) == 1
@@ -79,14 +146,25 @@ class _Loop:
         for worker, step_id, request, on_result in batch:
             worker._enqueue(step_id, request, on_result)
 
+    def close(self) -> None:
+        """Close a driven loop (its workers closed first); a threaded one lives as long as the process."""
+        if not self.threaded and not self.loop.is_closed():
+            self.loop.close()
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
 
 class GrpcWorker:
     """A remote worker as an ``EngineCore`` handle (``send`` for the core, ``step`` for tools and
-    tests). Raises ``grpc.RpcError`` from ``reset`` when the worker cannot be reached."""
+    tests), on ``io`` (default: the process's threaded ``IOLoop.shared()``). Raises ``grpc.RpcError``
+    from ``reset`` when the worker cannot be reached."""
 
-    def __init__(self, record: messages.WorkerRecord):
+    def __init__(self, record: messages.WorkerRecord, io: IOLoop | None = None):
         self.record = record
-        self._aio = _Loop.shared()
+        self._aio = io if io is not None else IOLoop.shared()
         # loop-thread state: plans written and not answered (step_id -> (on_result, sent at)),
         # the error that ended the stream (then every plan fails with it)
         self._pending: dict[int, tuple[OnResult, float]] = {}
@@ -99,7 +177,7 @@ class GrpcWorker:
         self._call = self._stub.Steps()
         self._requests: deque[pb.StepRequest] = deque()  # written by ``_write``, one at a time
         self._writing = False
-        self._tasks = [asyncio.ensure_future(c) for c in (self._read(), self._watch())]
+        self._tasks = [self._aio.loop.create_task(c) for c in (self._read(), self._watch())]
 
     # ----- caller's thread -----
     def send(self, plan: StepPlan, on_result: OnResult) -> None:
@@ -114,8 +192,10 @@ class GrpcWorker:
         self._aio.post(self, plan.step_id, request, on_result)
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Run a plan remotely and wait for it. Raises ``WorkerLostError`` when the worker is gone,
-        ``RuntimeError`` when it refused the plan."""
+        """Run a plan remotely and wait for it (a threaded ``IOLoop`` only). Raises
+        ``WorkerLostError`` when the worker is gone, ``RuntimeError`` when it refused the plan."""
+        if not self._aio.threaded:
+            raise RuntimeError("GrpcWorker.step needs a threaded IOLoop (use send on a driven one)")
         answered = threading.Event()
         box: list = []
 
@@ -150,7 +230,7 @@ class GrpcWorker:
         self._requests.append(request)
         if not self._writing:  # one write at a time on a stream: the writer takes the rest in turn
             self._writing = True
-            asyncio.ensure_future(self._write())
+            self._aio.loop.create_task(self._write())
 
     async def _write(self) -> None:
         try:

@@ -12,7 +12,7 @@ Each hands what it read to the service through ``RedisInbox`` and calls the ``wa
 service passes ``EngineCore.wakeup``), so a loop blocked waiting for worker results picks new work up
 at once. On the way out, ``LoopConnection.publish`` writes the token events of one poll round in one round
 trip on the loop's own connection: one ``XADD`` per gateway, then the acknowledgement of finished
-requests.
+requests; their replies are read with the next round's (pipelined: the loop never waits for them).
 
 See ``docs/architecture.md`` (the stack walk-through) for where this sits.
 """
@@ -62,7 +62,6 @@ class RedisInbox:
         self.consumer = consumer
         self._wake = wake
         self._items: deque = deque()
-        self._ready = threading.Event()
         self._cond = threading.Condition()
         self._room = 0  # requests the service can take now
         self._unread = 0  # request batches handed over and not yet taken
@@ -81,15 +80,10 @@ class RedisInbox:
     # ----- service side -----
     def take(self) -> list[tuple[str, list]]:
         """Everything handed over since the last call (never blocks)."""
-        self._ready.clear()
         out = []
         while self._items:
             out.append(self._items.popleft())
         return out
-
-    def wait(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds until something is handed over (the idle loop's wait)."""
-        self._ready.wait(timeout)
 
     def set_room(self, room: int, batches_taken: int = 0) -> None:
         """Tell the request reader how many requests the service can take now, after it applied
@@ -102,7 +96,6 @@ class RedisInbox:
     # ----- reader threads -----
     def _hand_over(self, kind: str, entries: list) -> None:
         self._items.append((kind, entries))
-        self._ready.set()
         self._wake()
 
     def _read(self, what: str, stop: threading.Event, read: Callable[[], list]) -> list:
@@ -212,26 +205,35 @@ class LoopConnection:
     def __init__(self, r: redis.Redis):
         pool = r.connection_pool
         self._conn = pool.connection_class(**pool.connection_kwargs)
+        self._unread = 0  # replies of the last ``publish`` not read yet
+        self._sent = b""  # its packed commands (sent again if the connection is lost before the replies)
 
     def call(self, commands: list[tuple]) -> list:
         """Send ``commands`` (argument tuples) in one round trip; their replies, as the RESP parser
         returns them (no redis-py reply callbacks), an error reply as its ``redis.ResponseError`` in
         place. Raises ``redis.ConnectionError`` / ``redis.TimeoutError`` when Redis is unreachable
-        after one reconnect (a resent command may run twice: send only ones that may)."""
+        after one reconnect (a resent command may run twice: send only ones that may), and the first
+        error reply of an earlier ``publish`` (see there)."""
         if not commands:
             return []
+        self.flush()
         try:
             return self._round_trip(commands)
         except (redis.ConnectionError, redis.TimeoutError):
             return self._round_trip(commands)  # a Redis restart or an idle connection closed: once more
 
     def publish(self, by_gateway: dict[str, list], ack_ids: list[str] = ()) -> None:
-        """One round trip: one ``XADD`` per gateway of its events (``TokenMessage``s or ``token_wire``
-        dicts), then acknowledge (XACK) and delete (XDEL) the request entries ``ack_ids`` of finished
-        sequences, after their last token is written.
+        """Send one ``XADD`` per gateway of its events (``TokenMessage``s or ``token_wire`` dicts),
+        then acknowledge (XACK) and delete (XDEL) the request entries ``ack_ids`` of finished
+        sequences, after their last token is written; without waiting for the replies (pipelined).
 
-        Raises what ``call`` raises (a resent ``XADD`` duplicates events, which the gateway drops by
-        their index) and the first ``redis.ResponseError`` of a command (e.g. WRONGTYPE).
+        The replies are read by the next ``publish``, ``call`` or ``flush``, by when they have
+        arrived: the loop never sleeps in a round trip per worker-step (a blocking read cost it a
+        wake-up and the GIL back each time). That call raises the first error reply among them (e.g.
+        WRONGTYPE, or NOGROUP when Redis lost the stream). Raises ``redis.ConnectionError`` /
+        ``redis.TimeoutError`` when Redis is unreachable after one reconnect (the unread replies are
+        dropped with the connection; a resent ``XADD`` duplicates events, which the gateway drops by
+        their index).
         """
         if not by_gateway and not ack_ids:
             return
@@ -251,14 +253,48 @@ class LoopConnection:
         if ack_ids:
             commands.append(("XACK", messages.REQUESTS, messages.SCHEDULER_GROUP, *ack_ids))
             commands.append(("XDEL", messages.REQUESTS, *ack_ids))
-        raise_first_error(self.call(commands))
+        error = self._collect()  # the last publish's; raised after these commands are sent
+        packed = pack_commands(commands)
+        try:
+            self._send(packed)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._send(packed)  # once more, as ``call``
+        self._unread, self._sent = len(commands), packed
+        if error is not None:
+            raise error
 
-    def _round_trip(self, commands: list[tuple]) -> list:
+    def flush(self) -> None:
+        """Read the replies of the last ``publish``; raises its first error reply (the connection
+        stays in step). A connection lost before they came is made again and the commands sent once
+        more, as ``call`` does (raises ``redis.ConnectionError`` when that fails too)."""
+        error = self._collect()
+        if error is not None:
+            raise error
+
+    def _collect(self) -> redis.ResponseError | None:
+        """Read the last ``publish``'s replies (see ``flush``); its first error reply, or None."""
+        if not self._unread:
+            return None
+        n, self._unread = self._unread, 0
+        try:
+            replies = self._read(n)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._send(self._sent)
+            replies = self._read(n)
+        return next((rep for rep in replies if isinstance(rep, redis.ResponseError)), None)
+
+    def _send(self, packed: bytes) -> None:
+        try:
+            self._conn.send_packed_command([packed])
+        except BaseException:
+            self._conn.disconnect()
+            raise
+
+    def _read(self, n: int) -> list:
         conn = self._conn
         replies = []
         try:
-            conn.send_packed_command([pack_commands(commands)])
-            for _ in commands:
+            for _ in range(n):
                 try:
                     replies.append(conn.read_response())
                 except redis.ResponseError as e:  # the reply was read whole: the connection is in step
@@ -268,7 +304,16 @@ class LoopConnection:
             raise
         return replies
 
+    def _round_trip(self, commands: list[tuple]) -> list:
+        self._send(pack_commands(commands))
+        return self._read(len(commands))
+
     def close(self) -> None:
+        """Read what is unread (errors logged), then disconnect."""
+        try:
+            self.flush()
+        except redis.RedisError as e:
+            log.warning("the last token events' replies: %s", e)
         self._conn.disconnect()
 
 

@@ -7,9 +7,13 @@ its own, its next plan sent while its pass runs). Its I/O is kept off that loop'
   group, read only while this scheduler's workers have room (requests stay in the stream for a
   scheduler that has room), and aborts from the control stream; they wake the loop
   (``EngineCore.wakeup``) instead of the loop polling Redis;
-- the token events of each poll round go out in one round trip on the loop's own connection, one
-  write per gateway (``redis_io.LoopConnection``); a request's entry is acknowledged when its sequence
-  finished, so a restarted scheduler re-claims unfinished ones;
+- the workers' gRPC streams run on an asyncio loop driven by this same thread
+  (``grpc_worker.IOLoop(threaded=False)``, the core's ``waiter``): the core waits for results by
+  running it, so a result, its postprocess and the worker's next plan need no hand-over between
+  threads;
+- the token events of each poll round go out on the loop's own connection, one write per gateway,
+  their replies read with the next round's (``redis_io.LoopConnection.publish``); a request's entry
+  is acknowledged when its sequence finished, so a restarted scheduler re-claims unfinished ones;
 - workers are discovered from their Redis records every ``DISCOVERY_INTERVAL_S`` and driven under a
   lease (``worker_leases.WorkerLeases``).
 
@@ -43,6 +47,7 @@ from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler import drain, redis_io
 from fuseserve.scheduler.engine_core import EngineCore
+from fuseserve.scheduler.grpc_worker import IOLoop
 from fuseserve.scheduler.metrics import SchedulerMetrics
 from fuseserve.scheduler.redis_io import RedisInbox
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
@@ -83,14 +88,16 @@ class SchedulerService:
     ):
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.config = config
-        self.core = EngineCore(config, eos_token_ids=[])
+        # the workers' gRPC streams run on this thread's loop, and the core waits for results in it
+        self.io = IOLoop(threaded=False)
+        self.core = EngineCore(config, eos_token_ids=[], waiter=self.io)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owners: dict[int, _Owner] = {}
         self.inbox = RedisInbox(self.r, self.consumer, wake=self.core.wakeup)
         self.conn = redis_io.LoopConnection(self.r)  # the loop's writes and periodic reads
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
-        self.leases = WorkerLeases(self.r, self.consumer, self.core, self.metrics)
+        self.leases = WorkerLeases(self.r, self.consumer, self.core, self.metrics, io=self.io)
         self.metrics.watch(self.core)
         self._last_discovery = self._last_claim = self._last_stats = self._last_trim = 0.0
         self._room_changed = True  # recompute ``room`` for the request reader
@@ -244,7 +251,7 @@ class SchedulerService:
         due = min(self._last_discovery + DISCOVERY_INTERVAL_S, self._last_stats + STATS_INTERVAL_S)
         timeout = max(0.0, due - time.monotonic())
         if not (self.core.has_work and self.scheduler.slots):
-            self.inbox.wait(timeout)
+            self.core.wait(timeout)
             self._cpu0 = time.process_time()
             return
         preempted = self.scheduler.num_preemptions
@@ -254,7 +261,7 @@ class SchedulerService:
         n = self.core.num_completions
         if not n:
             if not any(s.inflight for s in self.scheduler.slots.values()):
-                self.inbox.wait(min(timeout, 0.05))  # work that no worker can take yet: do not spin
+                self.core.wait(min(timeout, 0.05))  # work that no worker can take yet: do not spin
             return
         self._publish_events(events)
         if self.scheduler.num_preemptions != preempted:
@@ -394,6 +401,7 @@ class SchedulerService:
         self.leases.release_all()
         self.conn.close()
         self.core.close()
+        self.io.close()
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""

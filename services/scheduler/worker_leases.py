@@ -17,7 +17,7 @@ import redis
 
 from fuseserve import messages
 from fuseserve.scheduler.engine_core import EngineCore
-from fuseserve.scheduler.grpc_worker import GrpcWorker
+from fuseserve.scheduler.grpc_worker import GrpcWorker, IOLoop
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,13 @@ return 0
 class WorkerLeases:
     """The workers of one scheduler (``consumer``), added to and removed from ``core`` as they come,
     go, or change hands; ``metrics`` (a ``SchedulerMetrics``, optional) learns the model name and
-    forgets departed workers."""
+    forgets departed workers; ``io``: the ``grpc_worker.IOLoop`` of their streams (default: shared)."""
 
-    def __init__(self, r: redis.Redis, consumer: str, core: EngineCore, metrics=None):
+    def __init__(
+        self, r: redis.Redis, consumer: str, core: EngineCore, metrics=None, io: IOLoop | None = None
+    ):
         self.r = r
+        self.io = io  # the event loop the workers' gRPC streams run on (None: the shared threaded one)
         self.consumer = consumer
         self.core = core
         self.metrics = metrics
@@ -127,7 +130,7 @@ class WorkerLeases:
         lease = messages.worker_lease_key(wid)
         if not self.r.set(lease, self.consumer, nx=True, px=messages.SCHEDULER_TTL_S * 1000):
             return  # another scheduler drives it
-        handle = GrpcWorker(rec)
+        handle = GrpcWorker(rec, self.io)
         try:
             handle.reset()  # a previous scheduler's sequences are gone with it
         except grpc.RpcError as e:
