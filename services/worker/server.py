@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import queue
 import socket
 import threading
 import time
@@ -32,6 +33,7 @@ from fuseserve.drain import DrainSignal
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
+from fuseserve.types import StepPlan
 from fuseserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     def Step(self, request, context):
-        response = self._run(request, context)
+        response = self._run(convert.step_plan_from_proto(request), self._epoch, context)
         if response.failure == pb.STEP_STALE:
             context.abort(grpc.StatusCode.ABORTED, response.error)
         if response.failure == pb.STEP_REJECTED:
@@ -97,15 +99,38 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def Steps(self, request_iterator, context):
         """The scheduler's session: each plan read from the stream runs as ``Step`` runs it, and its
-        response (or its failure) is written back before the next plan is read. gRPC keeps reading
-        the stream meanwhile, so the next plan is already here when a pass ends (overlap)."""
-        for request in request_iterator:
-            yield self._run(request, context)
+        response (or its failure) is written back. Three threads of the stream's own keep a pass off
+        gRPC's path: one receives the plans while passes run (the next plan is here, read, when a pass
+        ends: overlap), one runs them in turn, and this handler writes each response while the next
+        pass runs. A pass therefore starts the moment the previous one ended, not after its response
+        went out and the next plan was received (that took ~0.8 ms between passes on the 2-vCPU dev
+        machine). The stream ending or breaking ends the session."""
+        plans: queue.SimpleQueue = queue.SimpleQueue()
+        responses: queue.SimpleQueue = queue.SimpleQueue()
 
-    def _run(self, request, context) -> pb.StepResponse:
-        """Run one plan in ``step_id`` order; a failure is answered with ``failure`` set."""
-        plan = convert.step_plan_from_proto(request)
-        epoch = self._epoch  # plans sent before a Free(all) belong to a scheduler that is gone
+        def receive() -> None:
+            try:
+                for request in request_iterator:  # the session a plan belongs to: when it arrived
+                    plans.put((convert.step_plan_from_proto(request), self._epoch))
+            except grpc.RpcError:
+                pass  # the scheduler went away
+            finally:
+                plans.put(None)
+
+        def run() -> None:
+            while (item := plans.get()) is not None:
+                responses.put(self._run(*item, context))
+            responses.put(None)
+
+        for target, name in ((receive, "steps-in"), (run, "steps-run")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+        while (response := responses.get()) is not None:
+            yield response
+
+    def _run(self, plan: StepPlan, epoch: int, context) -> pb.StepResponse:
+        """Run one plan in ``step_id`` order; a failure is answered with ``failure`` set. ``epoch``:
+        the ``Free(all)`` count when the plan arrived (one that arrived before the last belongs to a
+        scheduler that is gone)."""
         with self._lock:
             self._wait_turn(plan.step_id, epoch)
             if epoch != self._epoch or not context.is_active():
