@@ -8,7 +8,7 @@ import random
 import statistics
 from collections import deque
 
-from fuseserve.scheduler.engine_core import CoreStats, SampleWindow
+from fuseserve.scheduler.core_stats import CoreStats, SampleWindow
 
 
 def expected_ms(samples) -> tuple[float, float]:
