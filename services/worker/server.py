@@ -118,9 +118,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 plans.put(None)
 
         def run() -> None:
-            while (item := plans.get()) is not None:
-                responses.put(self._run(*item, context))
-            responses.put(None)
+            try:
+                while (item := plans.get()) is not None:
+                    responses.put(self._run(*item, context))
+            finally:  # an error here ends the stream: the scheduler sees the worker as lost
+                responses.put(None)
 
         for target, name in ((receive, "steps-in"), (run, "steps-run")):
             threading.Thread(target=target, name=name, daemon=True).start()
