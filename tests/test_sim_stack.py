@@ -196,6 +196,14 @@ def test_a_restarted_child_connects_with_the_password_again(server):
         time.sleep(0.25)
     else:
         pytest.fail("the restarted worker did not register again")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # and the scheduler drives it again (the same worker id)
+        workers = messages.read_scheduler_stats(r).get("workers", {})
+        if "worker-1" in workers:
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail(f"the scheduler did not take the restarted worker back: it drives {sorted(workers)}")
 
 
 def test_scheduler_gets_the_latency_targets(server):
@@ -204,3 +212,39 @@ def test_scheduler_gets_the_latency_targets(server):
     once 8 are measured)."""
     scheduler = next(argv for name, argv in server.stack.argv.items() if name.startswith("scheduler"))
     assert scheduler[-4:] == ["--target-itl", "0.25", "--target-prefill-rate", "512"]
+
+
+def test_a_worker_lost_under_load_is_driven_again_when_it_returns(server, client):
+    """The core drops a worker whose stream breaks with plans in flight; the scheduler still holds its
+    lease, and must take the worker back when it registers again under the same id."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stack = server.stack
+    r = redis.Redis.from_url(stack.redis.url, decode_responses=True)
+
+    def one(i: int) -> str:
+        c = client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=48, temperature=0)
+        return c.choices[0].finish_reason
+
+    with ThreadPoolExecutor(6) as ex:
+        running = [ex.submit(one, i) for i in range(6)]
+        time.sleep(1.0)  # both workers have plans in flight
+        old = dict(stack.procs)["worker-1"]
+        old.kill()
+        old.wait()
+        assert [f.result(timeout=120) for f in running] == ["length"] * 6  # recomputed on worker-0
+
+    def driven() -> set[str]:
+        return set(messages.read_scheduler_stats(r).get("workers", {}))
+
+    deadline = time.monotonic() + 30
+    while "worker-1" in driven():  # the stats are written once a second
+        assert time.monotonic() < deadline, "the scheduler still drives the killed worker"
+        time.sleep(0.25)
+    stack.supervise()
+    deadline = time.monotonic() + 60
+    while "worker-1" not in driven():
+        assert time.monotonic() < deadline, (
+            f"the scheduler did not take the restarted worker back: {driven()}"
+        )
+        time.sleep(0.25)

@@ -65,6 +65,7 @@ class WorkerLeases:
         self.core = core
         self.metrics = metrics
         self.leased: set[str] = set()  # workers this scheduler holds a lease on
+        self._handles: dict[str, GrpcWorker] = {}  # their handles (closed by ``drop``)
         self._lost: set[str] = set()  # leases the heartbeat could not renew (another took them)
         self._renew = r.register_script(_RENEW_LUA)
         self._release = r.register_script(_RELEASE_LUA)
@@ -100,6 +101,11 @@ class WorkerLeases:
         lost; claim unleased workers up to this scheduler's share; give an idle worker back when
         holding more than the share. ``reply``: as ``read_records``."""
         records, live = self.read_records(reply)
+        for wid in [w for w in self.leased if w not in self.core.workers]:
+            # the core dropped it (its stream broke with plans in flight): release the lease, so the
+            # claims below (this scheduler's or another's) can take it again once it is back
+            log.info("worker %s was lost; releasing its lease", wid)
+            self.drop(wid)
         workers = self.core.workers
         lost_now, self._lost = self._lost, set()
         for wid in list(workers):
@@ -139,6 +145,7 @@ class WorkerLeases:
             self._release(keys=[lease], args=[self.consumer])
             return
         self.leased.add(wid)
+        self._handles[wid] = handle
         if self.metrics is not None:
             self.metrics.set_model(rec.model)
         self.core.scheduler.eos_token_ids = set(rec.eos_token_ids)
@@ -153,7 +160,7 @@ class WorkerLeases:
 
     def drop(self, wid: str) -> None:
         """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
-        handle = self.core.workers.get(wid)
+        handle = self._handles.pop(wid, None) or self.core.workers.get(wid)
         self.core.remove_worker(wid)
         if self.metrics is not None:
             self.metrics.drop_worker(wid)
