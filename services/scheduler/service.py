@@ -45,7 +45,7 @@ from fuseserve.config import EngineConfig
 from fuseserve.drain import DrainSignal
 from fuseserve.errors import FuseServeError
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.scheduler import drain, redis_io
+from fuseserve.scheduler import drain, heartbeat, redis_io
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import IOLoop
 from fuseserve.scheduler.metrics import SchedulerMetrics
@@ -113,8 +113,9 @@ class SchedulerService:
     # ----- requests -----
     def claim_orphans(self, first_reply=None) -> None:
         """Take over pending requests of dead schedulers (idle ``CLAIM_IDLE_MS``), as many as there
-        is room for. Live schedulers keep theirs fresh (``touch_commands``). ``first_reply``: the raw
-        reply of the first ``redis_io.claim_command`` when it was sent already (``run_once``)."""
+        is room for. Live schedulers keep theirs fresh (``heartbeat.touch_commands``).
+        ``first_reply``: the raw reply of the first ``redis_io.claim_command`` when it was sent
+        already (``run_once``)."""
         start = "0-0"
         while first_reply is not None or self.room() > 0:
             if first_reply is None:
@@ -131,23 +132,6 @@ class SchedulerService:
             self._add_requests(entries, taken_over=True)
             if start == "0-0" or not entries:
                 break
-
-    def touch_commands(self) -> list[tuple]:
-        """The commands that re-deliver this scheduler's pending entries to itself (``XCLAIM``: resets
-        their idle time), so no other scheduler takes them over while this one lives."""
-        ids = [o.entry_id for o in list(self.owners.values())]
-        return [
-            (
-                "XCLAIM",
-                messages.REQUESTS,
-                messages.SCHEDULER_GROUP,
-                self.consumer,
-                0,
-                *ids[i : i + 500],
-                "JUSTID",
-            )
-            for i in range(0, len(ids), 500)
-        ]
 
     def _add_requests(self, entries, taken_over: bool = False) -> None:
         errors: dict[str, list[messages.TokenMessage]] = defaultdict(list)
@@ -362,31 +346,6 @@ class SchedulerService:
             )
             self._publish_events(self.scheduler.fail_waiting("no worker is available", 503))
 
-    def heartbeat(self, stop: threading.Event) -> None:
-        """From a thread of its own (a long step must not stop it), every ``HEARTBEAT_S``: keep
-        ``SCHEDULER_HEARTBEAT`` and this scheduler's liveness key alive, renew its worker leases
-        (noting any it lost) and keep its pending requests fresh."""
-        ttl = messages.SCHEDULER_TTL_S
-        conn = redis_io.LoopConnection(self.r)  # this thread's own
-        while not stop.is_set():
-            try:
-                # one round trip: each one woke this thread and cost ~0.4 ms of CPU on the dev machine
-                wids, renewals = self.leases.renew_commands()
-                replies = conn.call(
-                    [
-                        ("SET", messages.SCHEDULER_HEARTBEAT, self.consumer, "EX", ttl),
-                        ("SET", messages.scheduler_live_key(self.consumer), os.getpid(), "EX", ttl),
-                        *renewals,
-                        *self.touch_commands(),
-                    ]
-                )
-                self.leases.note_renewals(wids, replies[2 : 2 + len(wids)])
-                redis_io.raise_first_error(replies[:2] + replies[2 + len(wids) :])
-            except redis.RedisError as e:
-                log.warning("scheduler heartbeat failed: %s", e)
-            stop.wait(messages.HEARTBEAT_S)
-        conn.close()
-
     def close(self) -> None:
         """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished
         requests back (``drain.hand_back``) and release its worker leases, so others take over at once."""
@@ -405,7 +364,9 @@ class SchedulerService:
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; survives Redis outages (and a Redis that comes back empty)."""
-        self._heartbeat = threading.Thread(target=self.heartbeat, args=(stop,), name="heartbeat", daemon=True)
+        self._heartbeat = threading.Thread(
+            target=heartbeat.run, args=(self, stop), name="heartbeat", daemon=True
+        )
         self._heartbeat.start()
         ready = False
         while not stop.is_set():
