@@ -10,8 +10,8 @@ Two daemon threads block on Redis so that the service loop never polls it:
 
 Each hands what it read to the service through ``RedisInbox`` and calls the ``wake`` callback (the
 service passes ``EngineCore.wakeup``), so a loop blocked waiting for worker results picks new work up
-at once. On the way out, ``LoopConnection.publish`` writes the token events of one poll round in one round
-trip on the loop's own connection: one ``XADD`` per gateway, then the acknowledgement of finished
+at once. On the way out, ``LoopConnection.publish`` writes the token events of one poll round in one
+write on the loop's own connection: one ``XADD`` per gateway, then the acknowledgement of finished
 requests; their replies are read with the next round's (pipelined: the loop never waits for them).
 
 See ``docs/architecture.md`` (the stack walk-through) for where this sits.
@@ -231,9 +231,9 @@ class LoopConnection:
         arrived: the loop never sleeps in a round trip per worker-step (a blocking read cost it a
         wake-up and the GIL back each time). That call raises the first error reply among them (e.g.
         WRONGTYPE, or NOGROUP when Redis lost the stream). Raises ``redis.ConnectionError`` /
-        ``redis.TimeoutError`` when Redis is unreachable after one reconnect (the unread replies are
-        dropped with the connection; a resent ``XADD`` duplicates events, which the gateway drops by
-        their index).
+        ``redis.TimeoutError`` when Redis is unreachable after one reconnect. Commands whose replies
+        a lost connection took are sent again (``flush``): a resent ``XADD`` duplicates events, which
+        the gateway drops by their index.
         """
         if not by_gateway and not ack_ids:
             return
