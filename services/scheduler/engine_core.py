@@ -232,7 +232,7 @@ class EngineCore:
             except queue.Empty:
                 break
         self._dispatch()
-        if self.waiter is not None:
+        if self.waiter is not None and self.last_plans:
             self.waiter.wait(0.0)  # the plans just sent go out now, not after the caller's publishing
         if record_cpu:
             self.stats.add_cpu(time.thread_time() - t0, self.num_completions)
