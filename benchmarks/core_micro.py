@@ -1,8 +1,9 @@
 """The engine core's own CPU per worker-step, offline: no Redis, no gRPC, no model.
 
 An ``EngineCore`` drives ``--workers`` in-process fake workers whose plans complete when the driver
-says so (``_InstantWorker.submit`` returns a ``Future`` the driver resolves between polls, as the gRPC
-client's would), so each ``poll`` applies one result per worker and plans each worker's next pass.
+says so (``_InstantWorker.send`` keeps the plan and its callback; the driver calls back between
+polls, as the gRPC client does when an answer arrives), so each ``poll`` applies one result per
+worker and plans each worker's next pass.
 Measured: the polling thread's CPU (``time.thread_time``) per worker-step, p50 / p99, which covers
 ``Scheduler.postprocess`` + ``Scheduler.schedule_workers`` + the core's bookkeeping; building the
 fake results is outside the measured span.
@@ -30,7 +31,6 @@ import subprocess
 import sys
 import time
 import timeit
-from concurrent.futures import Future
 
 
 def _use_tree(tree: str) -> None:
@@ -43,28 +43,27 @@ def _use_tree(tree: str) -> None:
 
 
 class _InstantWorker:
-    """A worker handle whose plans finish when ``complete_oldest`` is called (no model, no thread)."""
+    """A worker handle whose plans finish when ``complete_oldest`` is called (no model, no thread):
+    ``send(plan, on_result)`` as the gRPC client's, which calls back when the answer arrives."""
 
     def __init__(self):
-        self.pending: list[tuple[object, Future]] = []
+        self.pending: list[tuple[object, object]] = []
 
-    def submit(self, plan) -> Future:
-        fut: Future = Future()
-        self.pending.append((plan, fut))
-        return fut
+    def send(self, plan, on_result) -> None:
+        self.pending.append((plan, on_result))
 
     def complete_oldest(self) -> bool:
         from fuseserve.types import SampledToken, StepResult
 
         if not self.pending:
             return False
-        plan, fut = self.pending.pop(0)
+        plan, on_result = self.pending.pop(0)
         tokens = [
             SampledToken(c.seq_id, 1 + (c.seq_id * 7919 + c.start_pos) % 30000)
             for c in plan.chunks
             if c.sample
         ]
-        fut.set_result(StepResult(plan.step_id, tokens, forward_seconds=0.01, idle_seconds=0.0))
+        on_result(plan.step_id, StepResult(plan.step_id, tokens, forward_seconds=0.01, idle_seconds=0.0))
         return True
 
 
@@ -106,6 +105,7 @@ def run(args) -> dict:
         add(args.prompt_len if not decode else 32, 16_000 if decode else args.new_tokens)
     cpu: list[float] = []
     polls = 0
+    failed = 0  # sequences failed by the core (a plan the fake worker could not take): the run is void
     while len(cpu) < args.steps + args.warmup:
         for w in workers.values():
             w.complete_oldest()
@@ -113,6 +113,9 @@ def run(args) -> dict:
         events = core.poll(timeout=0, record_cpu=False)
         dt = time.thread_time() - t0
         n = core.num_completions
+        failed += sum(1 for e in events if e.error is not None)
+        if failed and not core.has_work:
+            break  # every sequence failed: nothing left to measure
         polls += 1
         if n and polls > 2:
             cpu.append(dt / n)
@@ -131,6 +134,7 @@ def run(args) -> dict:
         "p99_ms": cpu[int(0.99 * (len(cpu) - 1))] * 1e3,
         "mean_ms": statistics.fmean(cpu) * 1e3,
         "machine_us": speed * 1e6,  # ``sum(range(1000))``: the machine's speed at the time (load)
+        "failed_sequences": failed,
     }
 
 
@@ -178,6 +182,8 @@ def main() -> None:
     else:
         result = run(args)
     print(json.dumps(result))
+    if result["failed_sequences"]:
+        raise SystemExit(f"{result['failed_sequences']} sequences failed: the numbers above do not count")
 
 
 if __name__ == "__main__":
