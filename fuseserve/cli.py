@@ -9,6 +9,7 @@ import sys
 from fuseserve.config import ATTENTION_BACKENDS
 from fuseserve.errors import FuseServeError
 from fuseserve.frontend.params import add_cli_flags, cli_kwargs
+from fuseserve.parent_death import follow_parent
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()  # a child of ``fuseserve serve`` stops when it dies (``fuseserve.parent_death``)
     parser = build_parser()
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

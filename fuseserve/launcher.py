@@ -8,7 +8,8 @@ answers; stops everything on Ctrl-C / SIGTERM: the children drain (``--drain-tim
 children get it (and the gateway its API key, with ``--api-key``) through their environment
 (``FUSESERVE_REDIS_PASSWORD``, ``FUSESERVE_API_KEY``), never on a command line. Each worker serves Prometheus metrics on a free port,
 named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker
---simulate``) and the gateway still serves ``--model``'s tokenizer.
+--simulate``) and the gateway still serves ``--model``'s tokenizer. Killed outright (SIGKILL), it
+takes its children with it (``fuseserve.parent_death``): left running, they would keep the ports.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ from fuseserve.config import API_KEY_ENV, RequestLimits
 from fuseserve.errors import FuseServeError, InvalidParameterError
 from fuseserve.messages import DRAIN_TIMEOUT_S
 from fuseserve.model_source import resolve_model
+from fuseserve.parent_death import PARENT_PID_ENV
 from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, launch_redis
 
 READY_TIMEOUT_S = 600.0
@@ -38,13 +41,15 @@ class Stack:
     """Child processes of a local stack; ``stop()`` terminates them in reverse start order.
 
     drain_timeout: seconds the children get to drain on SIGTERM; ``stop`` kills those still running
-    ``STOP_MARGIN_S`` later.
+    ``STOP_MARGIN_S`` later. follow_parent: each child gets SIGTERM when this process dies, even by
+    SIGKILL (``fuseserve.parent_death``; children must be started from one long-lived thread).
     """
 
     STOP_MARGIN_S = 10.0
 
-    def __init__(self, drain_timeout: float = DRAIN_TIMEOUT_S):
+    def __init__(self, drain_timeout: float = DRAIN_TIMEOUT_S, follow_parent: bool = False):
         self.drain_timeout = drain_timeout
+        self.follow_parent = follow_parent  # children get SIGTERM when this process dies
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.argv: dict[str, list[str]] = {}
         self.restarts: dict[str, list[float]] = {}
@@ -57,6 +62,8 @@ class Stack:
         env = dict(env or {})
         if self.redis is not None and self.redis.password:
             env[REDIS_PASSWORD_ENV] = self.redis.password
+        if self.follow_parent:
+            env[PARENT_PID_ENV] = str(os.getpid())
         cmd = [sys.executable, "-m", "fuseserve.cli", *argv]
         # own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order
         proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **env})
@@ -241,13 +248,15 @@ def gateway_argv(args: argparse.Namespace, redis_url: str) -> tuple[list[str], d
     return argv, env
 
 
-def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
-    """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy."""
+def start_stack(args: argparse.Namespace, follow_parent: bool = False) -> tuple[Stack, str]:
+    """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy.
+    ``follow_parent``: every process started stops when this one dies (``Stack``)."""
+    _check_port_free(args.host, args.port)
     resolve_model(args.model)  # convert a GGUF once here, before the children race for it
     slowdown_of(args, 0)  # a bad --simulate-slowdown fails here, not in every worker
-    stack = Stack(args.drain_timeout)
+    stack = Stack(args.drain_timeout, follow_parent=follow_parent)
     try:
-        stack.redis = launch_redis()
+        stack.redis = launch_redis(follow_parent=follow_parent)
         url = stack.redis.address  # the password travels in the environment (Stack.spawn)
         common = ["--log-level", args.log_level]
         overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
@@ -267,6 +276,27 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     except BaseException:
         stack.stop()
         raise
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise ``FuseServeError`` when the gateway's ``host:port`` is taken (else the gateway would exit
+    and restart until the stack gave up, the cause buried in its log)."""
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise FuseServeError(f"--host {host}: {e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise FuseServeError(
+                f"{host}:{port} is in use ({e.strerror}): another fuseserve serve or server holds it; "
+                "stop it or choose another --port"
+            ) from None
 
 
 class LocalServer:
@@ -320,9 +350,20 @@ def wait_healthy(stack: Stack, base: str, workers: int, timeout: float = READY_T
     raise FuseServeError(f"stack not healthy after {timeout:.0f} s")
 
 
+def live_view_command(stack: Stack, base: str) -> str:
+    """The ``fuseserve top`` command line for this stack, without the Redis password (argv and
+    logs are readable by others): it reads it from the server's password file into the environment."""
+    top = f"fuseserve top --url {base} --redis-url {stack.redis.address}"
+    if stack.redis.password_file:
+        return f'{REDIS_PASSWORD_ENV}="$(cat {stack.redis.password_file})" {top}'
+    if stack.redis.password:
+        return f"{top}  (with ${REDIS_PASSWORD_ENV} set to the password of $REDIS_URL)"
+    return top
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve serve``."""
-    stack, base = start_stack(args)
+    """Entry point of ``fuseserve serve``; its children stop with it, even when it is killed."""
+    stack, base = start_stack(args, follow_parent=True)
     stop = {"now": False}
 
     def handler(*_):
@@ -352,7 +393,7 @@ def run_serve(args: argparse.Namespace) -> int:
         f"(OpenAI-compatible{auth}; Ctrl-C stops)",
         flush=True,
     )
-    print(f"live view: fuseserve top --url {base} --redis-url {stack.redis.url}", flush=True)
+    print(f"live view: {live_view_command(stack, base)}", flush=True)
     try:
         while not stop["now"]:
             stack.supervise()

