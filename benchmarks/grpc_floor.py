@@ -212,7 +212,7 @@ async def _client(
 
 def run_one(cfg: dict) -> dict:
     """One configuration in this process: start the echo server, run the client, return its numbers."""
-    transport, port = cfg.get("transport", "grpc"), cfg["port"]
+    transport, port = cfg["transport"], cfg["port"]
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     server = ctx.Process(
@@ -270,6 +270,14 @@ def main() -> None:
     from benchmarks.metrics import write_jsonl
     from fuseserve.redis_launcher import free_port
 
+    transports = a.transports.split(",")
+    if any(t not in _CLIENTS for t in transports):
+        ap.error(f"--transports: a comma-separated list of {', '.join(_CLIENTS)}, not {a.transports!r}")
+    if "zmq" in transports:
+        try:
+            import zmq  # noqa: F401
+        except ImportError:
+            ap.error("--transports zmq needs pyzmq, which fuseserve does not install: pip install pyzmq")
     configs = [
         {
             "streams": a.streams,
@@ -280,17 +288,10 @@ def main() -> None:
             "transport": t,
             "grpc_experiments": e if t == "grpc" else "",
         }
-        for t in a.transports.split(",")
+        for t in transports
         for e in (a.experiments.split(";") if t == "grpc" else [""])
         for b in a.busy_ms.split(",")
     ]
-    if any(t not in _CLIENTS for t in a.transports.split(",")):
-        ap.error(f"--transports: a comma-separated list of {', '.join(_CLIENTS)}, not {a.transports!r}")
-    if "zmq" in a.transports.split(","):
-        try:
-            import zmq  # noqa: F401
-        except ImportError:
-            ap.error("--transports zmq needs pyzmq, which fuseserve does not install: pip install pyzmq")
     print(
         f"{'transport':<9} {'GRPC_EXPERIMENTS':<24} {'busy ms':>7} {'rt/s':>6} {'CPU ms/rt (beyond busy)':>24}"
     )

@@ -5,8 +5,8 @@ them in order), so nothing else ends them when the launcher is killed outright: 
 ports, and the next ``fuseserve serve`` would fail on "address already in use". The launcher passes
 its pid in ``$FUSESERVE_PARENT_PID``; ``follow_parent`` (first thing in ``fuseserve.cli.main``) asks
 the kernel for SIGTERM when the parent goes, so the child drains and exits as on Ctrl-C.
-``redis-server`` is started through ``following_argv``: a Python prelude that does the same, then
-``exec``s it (the request survives ``exec``).
+``redis-server`` is started through ``following_argv``: a Python prelude that calls
+``follow_parent`` too, then ``exec``s it (the request survives ``exec``).
 
 The signal follows the THREAD that started the child: only the CLI launcher (whose main thread
 starts and restarts every child) asks for it; ``fuseserve.serve()`` from Python does not.
@@ -24,9 +24,10 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 #: ``python -c`` prelude of ``following_argv``: argv[1] the parent's pid, argv[2:] the program
 _PRELUDE = (
-    "import ctypes, os, signal, sys\n"
-    f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "import os, sys\n"
+    "from fuseserve.parent_death import PARENT_PID_ENV, follow_parent\n"
+    "os.environ[PARENT_PID_ENV] = sys.argv[1]\n"
+    "follow_parent()\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 

@@ -33,8 +33,9 @@ DEFAULT_STARTUP_TIMEOUT = 10.0
 """Seconds to wait for a started redis-server to answer PING."""
 
 REDIS_PASSWORD_ENV = "FUSESERVE_REDIS_PASSWORD"
-PASSWORD_FILE = "password"  # in a started server's working folder (``RedisServer.password_file``)
 """Environment variable with the Redis AUTH password every service uses (``--redis-password``)."""
+
+PASSWORD_FILE = "password"  # in a started server's working folder (``RedisServer.password_file``)
 
 
 def with_password(url: str, password: str | None = None) -> str:
