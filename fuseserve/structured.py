@@ -26,11 +26,11 @@ import re
 import threading
 from typing import TYPE_CHECKING
 
-import torch
-
 from fuseserve.errors import InvalidRequestError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported by xgrammar, where a grammar is compiled: the gateway image has none
+    import torch
+
     from fuseserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,10 @@ def _library_error(exc: Exception) -> str:
     return _XGR_PREFIX.sub("", text)
 
 
+class GrammarLibraryMissing(InvalidRequestError):
+    """The grammar library (xgrammar, which needs torch) is not installed in this process."""
+
+
 class GrammarBackend:
     """Compiles grammar specs for one tokenizer and caches them (thread-safe).
 
@@ -74,7 +78,14 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None):
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError as exc:  # the gateway image: xgrammar needs torch, which it does not ship
+            raise GrammarLibraryMissing(
+                f"structured output is not available in this process: the grammar library cannot be "
+                f"imported ({exc}); serve it from an install with xgrammar (and torch)",
+                param="response_format",
+            ) from exc
 
         self.vocab_size = int(vocab_size)
         info = xgr.TokenizerInfo.from_huggingface(

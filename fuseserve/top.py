@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
+if TYPE_CHECKING:  # imported when `top` runs: the CLI that registers it runs in images without them
+    import httpx
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 """(sample name, sorted labels) → value."""
@@ -27,6 +29,8 @@ Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def parse(text: str) -> Series:
     """The samples of a Prometheus text exposition."""
     out: Series = {}
+    from prometheus_client.parser import text_string_to_metric_families
+
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
@@ -106,6 +110,8 @@ def discover(redis_url: str) -> tuple[list[str], list[str]]:
 
 def scrape(client: httpx.Client, gateway: str, schedulers: list[str], workers: list[str]) -> Snapshot:
     """Read every endpoint once; one that fails is listed in ``errors`` and left out."""
+    import httpx
+
     snap = Snapshot(time.monotonic())
 
     def get(url: str) -> Series:
@@ -238,8 +244,13 @@ def run_top(args: argparse.Namespace) -> int:
     """``fuseserve top``: refresh every ``args.interval`` seconds until Ctrl-C (``--once``: one frame,
     printed after two scrapes ``interval`` apart; ``--json``: that frame as JSON). Returns 0, or 1
     when the gateway cannot be scraped."""
-    from rich.console import Console
-    from rich.live import Live
+    try:
+        import httpx
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError as exc:
+        print(f"fuseserve top needs httpx and rich: pip install httpx rich ({exc})", file=sys.stderr)
+        return 2
 
     schedulers, workers = list(args.scheduler or []), list(args.worker or [])
 

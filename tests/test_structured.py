@@ -79,6 +79,18 @@ def test_compiled_once_and_bad_specs_say_why(backend):
         assert e.value.param in kwargs
 
 
+def test_without_the_grammar_library_a_constrained_request_is_a_400(tokenizer, monkeypatch):
+    """The gateway image has no torch, so no xgrammar: refused with a message, not a 500 or a crash."""
+    import sys
+
+    from fuseserve.structured import GrammarBackend
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    with pytest.raises(InvalidRequestError, match="grammar library") as e:
+        GrammarBackend(tokenizer, len(tokenizer)).check(SamplingParams.from_kwargs(json_schema=SCHEMA))
+    assert e.value.http_status == 400 and e.value.param == "response_format"
+
+
 # ------------------------------------------------------------------------------ sampler
 def _run(sampler, states, logits):
     out = sampler(logits, states).token_ids.tolist()

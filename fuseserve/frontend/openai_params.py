@@ -19,7 +19,7 @@ from fuseserve.frontend.encode import PromptEncoder
 from fuseserve.frontend.params import params_kwargs_from_body
 from fuseserve.gateway.constraints import constraint_kwargs
 from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams, check_text
-from fuseserve.structured import grammar_backend
+from fuseserve.structured import grammar_backend  # imports no torch; xgrammar only when compiling
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds travel as signed 64-bit integers (each of ``n`` sequences gets ``seed + index``)."""
