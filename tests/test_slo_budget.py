@@ -11,12 +11,13 @@ import pytest
 
 from fuseserve.config import EngineConfig
 from fuseserve.errors import InvalidParameterError
+from fuseserve.pass_shape import PassShape
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.scheduler import Scheduler
 from fuseserve.scheduler.sequence import Sequence
 from fuseserve.scheduler.slo_budget import ITL_MARGIN, PassLatency, curve_prior
 from fuseserve.types import SampledToken, StepResult
-from fuseserve.worker.latency_model import PRESETS, PassShape
+from fuseserve.worker.latency_model import PRESETS
 
 A6000 = PRESETS["a6000-llama2-7b"]
 

@@ -11,11 +11,11 @@ import collections
 from typing import TYPE_CHECKING
 
 from fuseserve.errors import SchedulerError
+from fuseserve.pass_shape import PassShape
 from fuseserve.scheduler import multi_pass
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.scheduler.worker_slot import WorkerSlot
 from fuseserve.types import StepResult, TokenEvent
-from fuseserve.worker.latency_model import PassShape
 
 if TYPE_CHECKING:
     from fuseserve.scheduler.slo_budget import SLOBudget

@@ -43,6 +43,7 @@ from typing import Any
 from fuseserve.block_hash import root_hash
 from fuseserve.config import EngineConfig
 from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
+from fuseserve.pass_shape import PassShape
 from fuseserve.scheduler import multi_pass
 from fuseserve.scheduler.admission import Admission
 from fuseserve.scheduler.block_accounting import BlockAccount
@@ -52,7 +53,6 @@ from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.scheduler.slo_budget import PassLatency, SLOBudget
 from fuseserve.scheduler.worker_slot import InFlight, WorkerSlot
 from fuseserve.types import SeqChunk, StepPlan, TokenEvent
-from fuseserve.worker.latency_model import PassShape
 
 __all__ = ["InFlight", "Scheduler", "TokenEvent", "WorkerSlot"]  # re-exported (engine core, policies)
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fuseserve.worker.latency_model import PassShape
+from fuseserve.pass_shape import PassShape
 
 if TYPE_CHECKING:
     from fuseserve.scheduler.scheduler import Scheduler, WorkerSlot

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fuseserve.pass_shape import PassShape
 from fuseserve.types import StepPlan
 
 PROFILE_SIZES = (32, 64, 128, 256, 512)
@@ -32,32 +33,6 @@ LLAMA2_7B_PARAMS = 6.74e9  # matmul parameters of Llama-2 7B (embeddings include
 LLAMA2_7B_LAYERS = 32
 LLAMA2_7B_HIDDEN = 4096
 CPU_PEAK_FLOPS = 275e9  # fp32 GEMM peak measured on the 2-vCPU development machine (torch, 2 threads)
-
-
-@dataclass(frozen=True)
-class PassShape:
-    """What a pass's latency depends on: tokens, sequences, cached tokens read, attention pairs.
-
-    num_tokens: tokens in the pass. num_seqs: sequences (chunks) in it. kv_tokens: sum over its
-    chunks of ``start_pos + num_tokens``. attn_pairs: sum of ``n x (start_pos + (n + 1) / 2)``.
-    """
-
-    num_tokens: int
-    num_seqs: int = 1
-    kv_tokens: float = 0.0
-    attn_pairs: float = 0.0
-
-    @classmethod
-    def of_plan(cls, plan: StepPlan) -> PassShape:
-        """The shape of a step plan."""
-        return cls.of_chunks([(c.start_pos, c.num_tokens) for c in plan.chunks])
-
-    @classmethod
-    def of_chunks(cls, chunks: list[tuple[int, int]]) -> PassShape:
-        """The shape of a pass of ``(start_pos, num_tokens)`` chunks."""
-        kv = sum(s + n for s, n in chunks)
-        pairs = sum(n * (s + (n + 1) / 2) for s, n in chunks)
-        return cls(sum(n for _, n in chunks), len(chunks), kv, pairs)
 
 
 @dataclass(frozen=True)
