@@ -23,7 +23,7 @@ from fuseserve.sampling_params import SamplingParams
 
 FULL = _full_params()  # every field set
 BY_HAND = {"logprobs", "prompt_logprobs"}  # per-endpoint OpenAI shapes (openai_params.py); not CLI flags
-BY_HAND |= {"json_schema", "regex", "choice", "grammar", "logit_bias"}  # gateway/constraints.py's
+BY_HAND |= {"json_schema", "regex", "choice", "grammar", "logit_bias"}  # frontend/constraints.py's
 
 
 @pytest.fixture(scope="module")

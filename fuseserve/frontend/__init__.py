@@ -4,7 +4,9 @@
 - ``output``: token events to deltas (incremental detokenizer, stop strings, logprobs), with a hook
   for incremental parsers of the generated text (tool calls).
 - ``params``: ``SamplingParams``' fields mapped to the OpenAI body, the CLI and the proto.
-- ``openai``: an OpenAI request (completions or chat) to validated ``SamplingParams``.
+- ``openai_params``: an OpenAI request (completions or chat) to validated ``SamplingParams``.
+- ``constraints``: the request fields that constrain the output (structured output, tools,
+  ``logit_bias``), their shapes and their ``SamplingParams`` keywords.
 
 The pipeline (``fuseserve/pipeline.py``) and the gateway (``services/gateway/``) differ only in I/O.
 """

@@ -5,7 +5,7 @@ mapped here by hand is only what differs per endpoint or per sequence: ``max_tok
 rest of the context, as vLLM; chat's ``max_completion_tokens``; 0 with ``echo``: the prompt is only
 scored), ``logprobs`` (an int on completions; a bool plus ``top_logprobs`` on chat; with ``echo``
 also ``prompt_logprobs``), ``seed`` (sequence ``i`` of ``n`` uses
-``seed + i``), the output constraints and ``logit_bias`` (``fuseserve.gateway.constraints``; a
+``seed + i``), the output constraints and ``logit_bias`` (``fuseserve.frontend.constraints``; a
 constraint must compile), and checks that need the model (``stop_token_ids`` inside the vocabulary). The request
 object is read by attribute (the gateway's pydantic models, or anything with the same names).
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from fuseserve.errors import InvalidParameterError, InvalidRequestError
+from fuseserve.frontend.constraints import constraint_kwargs
 from fuseserve.frontend.encode import PromptEncoder
 from fuseserve.frontend.params import params_kwargs_from_body
-from fuseserve.gateway.constraints import constraint_kwargs
 from fuseserve.sampling_params import MAX_LOGPROBS, SamplingParams, check_text
 from fuseserve.structured import grammar_backend  # imports no torch; xgrammar only when compiling
 

@@ -36,12 +36,12 @@ from starlette.requests import ClientDisconnect
 
 from fuseserve.config import RequestLimits
 from fuseserve.errors import FuseServeError, InvalidRequestError
+from fuseserve.frontend.constraints import rendered_tools, tool_parser_factory
 from fuseserve.frontend.model_info import build_encoder, generation_defaults, load_tokenizer
 from fuseserve.frontend.openai_params import check_n, sampling_params
 from fuseserve.gateway import utilities
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.auth import ApiKeys
-from fuseserve.gateway.constraints import rendered_tools, tool_parser_factory
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
     RequestTooLargeError,

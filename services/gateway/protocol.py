@@ -5,8 +5,8 @@ fields are not written here: they come from ``SamplingParams``' own table
 (``fuseserve.frontend.params.openai_model_fields``), so a new sampling parameter appears in both
 bodies by itself. Fields beyond OpenAI's follow vLLM (``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``include_stop_str_in_output``,
-``structured_outputs`` / ``guided_*`` for structured output, see ``constraints.py``), plus the
-fuseserve extension ``return_token_ids`` (each choice then carries ``token_ids`` and, with logprobs,
+``structured_outputs`` / ``guided_*`` for structured output, see ``fuseserve/frontend/constraints.py``),
+plus the fuseserve extension ``return_token_ids`` (each choice then carries ``token_ids`` and, with logprobs,
 ``top_logprob_ids``; see ``render.py``), and vLLM's ``cache_salt`` (requests share cached prefix
 blocks only with requests of the same salt).
 
@@ -31,8 +31,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from fuseserve.errors import InvalidRequestError
+from fuseserve.frontend.constraints import ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice
 from fuseserve.frontend.params import openai_model_fields
-from fuseserve.gateway.constraints import ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class _RequestFields(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # fuseserve extension: token ids per choice
-    # output constraints and logit_bias (constraints.py maps them onto SamplingParams)
+    # output constraints and logit_bias (frontend/constraints.py maps them onto SamplingParams)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

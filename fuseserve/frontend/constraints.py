@@ -11,7 +11,9 @@ Accepted shapes (OpenAI and vLLM), each mapped onto one ``SamplingParams`` const
 - ``logit_bias``: ``{"<token id>": bias}``, bias in [-100, 100].
 
 At most one constraint per request (a 400 names the two that collide). Whether the grammar library
-can compile it is checked by the caller (``GrammarBackend.check``), also a 400 saying why.
+can compile it is checked by the caller (``GrammarBackend.check``), also a 400 saying why. The
+gateway's request models (``services/gateway/protocol.py``) use these shapes and the front end's
+``openai_params`` maps them, so they live here, beside it (the front end imports no service).
 """
 
 from __future__ import annotations
