@@ -334,12 +334,31 @@ class Pipeline:
 _LIVE: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 
 
-@atexit.register
 def _close_live_pipelines() -> None:
     """Stop engine threads before the interpreter tears torch down (a thread killed inside a torch op
     aborts the process)."""
     for pipe in list(_LIVE):
         pipe.close()
+
+
+def _register_exit_hook() -> None:
+    """Close live pipelines at exit before ``concurrent.futures`` refuses new work.
+
+    ``concurrent.futures`` shuts its executors from ``threading``'s exit hooks, which run before
+    ``atexit``'s: an engine thread still stepping then fails with "cannot schedule new futures after
+    interpreter shutdown". ``threading``'s hooks run last-registered first, so this one, registered
+    after ``concurrent.futures.thread`` is imported, runs before that shutdown. ``atexit`` as well,
+    for interpreters without the hook (``close`` is idempotent).
+    """
+    import concurrent.futures.thread  # noqa: F401 (its hook registered first, so it runs after ours)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_close_live_pipelines)
+    atexit.register(_close_live_pipelines)
+
+
+_register_exit_hook()
 
 
 def pipeline(
