@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -37,8 +38,8 @@ from fuseserve.scheduler.sequence import Sequence
 from fuseserve.scheduler.slo_budget import curve_prior
 from fuseserve.structured import grammar_backend
 from fuseserve.types import FinishReason, TokenEvent
-from fuseserve.worker.model_runner import ModelRunner
 from fuseserve.worker.profiler import knee, profile_curve
+from fuseserve.worker.tensor_parallel import load_runner
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class Pipeline:
         tokenizer: str | None = None,
         chat_template: str | None = None,
         max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
     ):
         self.config = EngineConfig(
             token_budget=token_budget,
@@ -113,8 +115,16 @@ class Pipeline:
         context = context_length(self.source.config, max_model_len)  # raises before anything loads
         self.tokenizer = load_tokenizer(self.source, tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
-        self.runner = ModelRunner(
-            self.source.path, self.source.config, self.eos_token_ids, self.config, progress=progress
+        self.runner = load_runner(  # with tensor_parallel_size > 1: ranks 1.. in processes of their own
+            self.source.path,
+            self.source.config,
+            self.eos_token_ids,
+            self.config,
+            tensor_parallel_size,
+            threads=max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+            if tensor_parallel_size > 1
+            else None,
+            progress=progress,
         )
         info = self.runner.info
         slo = target_itl is not None or target_prefill_rate is not None
@@ -213,6 +223,7 @@ class Pipeline:
             self._cv.notify()
         self._thread.join(timeout=10)
         self.core.close()
+        self.runner.close()
 
     def __enter__(self):
         return self
@@ -382,7 +393,10 @@ def pipeline(
     latency curve (``docs/architecture.md``, "SLO-driven token budget"); default None (fixed budget);
     decode_passes (decode passes per plan when a pass holds decodes only and no request waits,
     ``docs/architecture.md``, "Multi-step decoding"; default 1);
-    prefix_caching (reuse the KV of prompt prefixes already computed; default True); tokenizer (a
+    prefix_caching (reuse the KV of prompt prefixes already computed; default True);
+    tensor_parallel_size (ranks the model is split over, as ``fuseserve worker
+    --tensor-parallel-size``: ranks 1.. run in processes of their own, gloo on CPU, NCCL on CUDA;
+    default 1); tokenizer (a
     tokenizer directory replacing the model's; without any tokenizer only
     token-id prompts work), chat_template (a Jinja file replacing the model's), max_model_len
     (context length in tokens, at most the model's). Sampling defaults come from the model's

@@ -155,3 +155,31 @@ def test_worker_runner_broadcasts_plans_and_stops_ranks(tmp_path):
     assert parallel.world() == (0, 1)
     assert all(not p.is_alive() for p in runner.followers)
     assert_matches(tokens, ref_tokens, ref_logits, what="TP=2 worker runner")
+
+
+def test_pipeline_tensor_parallel_2_greedy_equals_one_rank(tmp_path):
+    """``fuseserve.pipeline(..., tensor_parallel_size=2)`` (vLLM's ``LLM(tensor_parallel_size=)``):
+    rank 1 in a process of its own, the same greedy tokens as one rank on a tiny LLaMA (GQA)."""
+    import fuseserve
+
+    tiny_checkpoint("llama-gqa", tmp_path)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    kwargs = dict(token_budget=16, kv_cache_memory="8MiB", device="cpu", dtype="float32", progress=False)
+    outs = {}
+    for size in (1, 2):
+        with fuseserve.pipeline(str(tmp_path), tensor_parallel_size=size, **kwargs) as pipe:
+            outs[size] = [r.token_ids for r in pipe(prompts, max_new_tokens=10, temperature=0.0)]
+            if size == 2:
+                assert len(pipe.runner.followers) == 1 and pipe.runner.followers[0].is_alive()
+    assert all(len(t) == 10 for t in outs[1]), "guard: generation must not stop at once"
+    assert outs[2] == outs[1]
+
+
+def test_pipeline_refuses_a_bad_tensor_parallel_size(tmp_path):
+    import fuseserve
+    from fuseserve.errors import InvalidParameterError
+
+    tiny_checkpoint("llama-gqa", tmp_path)
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
+        fuseserve.pipeline(str(tmp_path), tensor_parallel_size=0, device="cpu", progress=False)

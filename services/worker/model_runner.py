@@ -120,6 +120,10 @@ class ModelRunner:
         return self.seq_table.num_free_blocks
 
     # ----- lifecycle -----
+    def close(self) -> None:
+        """Nothing to release: the KV pool is freed with the runner (``TensorParallelRunner.close``
+        stops its ranks)."""
+
     def free(self, seq_ids: list[int]) -> None:
         """Drop sequences and return their blocks (unknown ids are ignored)."""
         self.seq_table.free(seq_ids)

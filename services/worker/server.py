@@ -187,8 +187,8 @@ def model_runner(args: argparse.Namespace):
 
     from fuseserve.config import EngineConfig
     from fuseserve.model_source import resolve_model
-    from fuseserve.worker.model_runner import ModelRunner
     from fuseserve.worker.profiler import choose_token_budget
+    from fuseserve.worker.tensor_parallel import load_runner
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
@@ -201,19 +201,9 @@ def model_runner(args: argparse.Namespace):
         attention_backend=args.attention_backend,
     )
     tp_size = getattr(args, "tensor_parallel_size", 1) or 1
-    if tp_size > 1:
-        from fuseserve.worker import tensor_parallel
-
-        runner = tensor_parallel.start(
-            source.path,
-            source.config,
-            source.eos_token_ids(),
-            config,
-            tp_size,
-            getattr(args, "threads", None),
-        )
-    else:
-        runner = ModelRunner(source.path, source.config, source.eos_token_ids(), config)
+    runner = load_runner(
+        source.path, source.config, source.eos_token_ids(), config, tp_size, getattr(args, "threads", None)
+    )
     budget = args.token_budget or choose_token_budget(runner, str(source.path))
     return runner, source.name, budget
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fuseserve.errors import FuseServeError
+from fuseserve.errors import FuseServeError, InvalidParameterError
 from fuseserve.types import StepPlan, StepResult
 from fuseserve.worker.model_runner import ModelRunner
 from fuseserve.worker.multi_pass import run_passes
@@ -131,7 +131,36 @@ class TensorParallelRunner:
         os._exit(RANK_LOST_EXIT_CODE)
 
 
-def start(model_path, hf_config, eos_token_ids: list[int], config, size: int, threads: int | None = None):
+def load_runner(
+    model_path,
+    hf_config,
+    eos_token_ids: list[int],
+    config,
+    size: int = 1,
+    threads: int | None = None,
+    progress: bool = True,
+):
+    """The model runner of one worker or pipeline: a ``ModelRunner``, or with ``size`` > 1 rank 0's
+    ``TensorParallelRunner`` (followers spawned with ``threads`` torch threads each; None: torch's).
+
+    Raises ``InvalidParameterError`` for ``size`` < 1, else what ``ModelRunner`` raises.
+    """
+    if not isinstance(size, int) or size < 1:
+        raise InvalidParameterError("tensor_parallel_size", size, "an integer >= 1")
+    if size == 1:
+        return ModelRunner(model_path, hf_config, eos_token_ids, config, progress=progress)
+    return start(model_path, hf_config, eos_token_ids, config, size, threads, progress)
+
+
+def start(
+    model_path,
+    hf_config,
+    eos_token_ids: list[int],
+    config,
+    size: int,
+    threads: int | None = None,
+    progress: bool = True,
+):
     """Spawn ranks 1..``size``-1, join them as rank 0, load rank 0's shard; returns its runner.
 
     Raises what ``ModelRunner`` raises (each follower loads its own shard the same way).
@@ -150,7 +179,8 @@ def start(model_path, hf_config, eos_token_ids: list[int], config, size: int, th
     for p in followers:
         p.start()
     _init_group(0, size, init_file, config.device)
-    return TensorParallelRunner(ModelRunner(model_path, hf_config, eos_token_ids, config), followers)
+    runner = ModelRunner(model_path, hf_config, eos_token_ids, config, progress=progress)
+    return TensorParallelRunner(runner, followers)
 
 
 def _follower_main(rank, size, init_file, model_path, eos_token_ids, config, threads, parent_pid) -> None:
