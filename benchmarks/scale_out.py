@@ -45,7 +45,8 @@ import redis
 from benchmarks.metrics import write_jsonl
 from benchmarks.plots import plot_scale_out
 from fuseserve import messages
-from fuseserve.launcher import Stack, serve_args, start_stack, worker_argv
+from fuseserve.cli import serve_args
+from fuseserve.launcher import Stack, start_stack, worker_argv
 from fuseserve.redis_launcher import free_port
 from fuseserve.worker.latency_model import PRESETS
 from fuseserve.worker.sim_runner import SIM_FIRST_TOKEN, SIM_VOCAB_SIZE

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import httpx
 
-from fuseserve.launcher import serve_args, start_stack
+from fuseserve.cli import serve_args
+from fuseserve.launcher import start_stack
 from fuseserve.redis_launcher import _ping, free_port
 from fuseserve.top import discover, scrape, total
 

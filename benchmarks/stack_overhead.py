@@ -115,7 +115,8 @@ def throughput(num_requests: int, new_tokens: int, clients: int, overlap: bool) 
     import openai
 
     import fuseserve
-    from fuseserve.launcher import serve_args, start_stack
+    from fuseserve.cli import serve_args
+    from fuseserve.launcher import start_stack
     from fuseserve.redis_launcher import free_port
 
     prompts = [f"Write a short note about the number {i}." for i in range(num_requests)]

@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 __all__ = ["pipeline", "Pipeline", "serve", "Client", "Response", "SamplingParams"]
 
 if TYPE_CHECKING:
+    from fuseserve.cli import serve
     from fuseserve.client import Client
-    from fuseserve.launcher import serve
     from fuseserve.outputs import Response
     from fuseserve.pipeline import Pipeline, pipeline
     from fuseserve.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ def __getattr__(name: str):  # lazy: importing fuseserve must not import torch
         module = importlib.import_module("fuseserve.pipeline")  # binds fuseserve.pipeline to the module,
         return getattr(module, name)  # which is callable (see fuseserve/pipeline.py)
     if name == "serve":
-        from fuseserve.launcher import serve
+        from fuseserve.cli import serve
 
         return serve
     if name == "Client":

@@ -1,15 +1,24 @@
-"""The ``fuseserve`` command: generate (pipeline), serve (local stack), gateway, scheduler, worker."""
+"""The ``fuseserve`` command: generate (pipeline), serve (local stack), gateway, scheduler, worker.
+
+Also ``fuseserve.serve()``, the ``serve`` command from Python (its options are the command's). Nothing
+but ``service_cli`` and the package's lazy ``fuseserve.serve`` imports this module
+(``docs/architecture.md``, "Layering").
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from fuseserve.config import ATTENTION_BACKENDS
 from fuseserve.errors import FuseServeError
 from fuseserve.frontend.params import add_cli_flags, cli_kwargs
 from fuseserve.parent_death import follow_parent
+
+if TYPE_CHECKING:
+    from fuseserve.launcher import LocalServer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -124,6 +133,41 @@ def build_parser() -> argparse.ArgumentParser:
             "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING (default: WARNING)"
         )
     return parser
+
+
+def serve_args(**overrides) -> argparse.Namespace:
+    """The ``fuseserve serve`` options with their CLI defaults, overridden by keyword (tests, benchmarks).
+
+    Raises ``TypeError`` for a name that is not a ``serve`` option.
+    """
+    args = build_parser().parse_args(["serve"])
+    for name, value in overrides.items():
+        if not hasattr(args, name):
+            raise TypeError(f"unknown serve option {name!r}")
+        setattr(args, name, value)
+    return args
+
+
+def serve(
+    model: str = DEFAULT_MODEL,
+    *,
+    workers: int = 1,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    **options,
+) -> LocalServer:
+    """Start the persistent stack locally from Python, like ``fuseserve serve``; returns once healthy.
+
+    ``fuseserve.serve``: it lives here because its options are the ``serve`` command's (the launcher
+    takes parsed options and imports no CLI). ``options`` are the other ``fuseserve serve`` options by
+    their Python names (``token_budget``, ``kv_cache_memory``, ``policy``, ``device``, ``threads``,
+    ...). Raises ``TypeError`` for an unknown option and ``FuseServeError`` when a process dies or the
+    stack is not healthy in time.
+    """
+    from fuseserve.launcher import LocalServer, start_stack
+
+    stack, url = start_stack(serve_args(model=model, workers=workers, host=host, port=port, **options))
+    return LocalServer(stack, url)
 
 
 def main(argv: list[str] | None = None) -> int:

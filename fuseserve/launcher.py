@@ -10,6 +10,8 @@ children get it (and the gateway its API key, with ``--api-key``) through their 
 named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker
 --simulate``) and the gateway still serves ``--model``'s tokenizer. Killed outright (SIGKILL), it
 takes its children with it (``fuseserve.parent_death``): left running, they would keep the ports.
+It takes parsed options from its caller (``fuseserve.cli``: the command, ``serve_args``,
+``fuseserve.serve()``) and imports no CLI.
 """
 
 from __future__ import annotations
@@ -128,21 +130,6 @@ class Stack:
                 p.kill()
         if self.redis is not None:
             self.redis.stop()
-
-
-def serve_args(**overrides) -> argparse.Namespace:
-    """The ``fuseserve serve`` options with their CLI defaults, overridden by keyword (tests, benchmarks).
-
-    Raises ``TypeError`` for a name that is not a ``serve`` option.
-    """
-    from fuseserve.cli import build_parser
-
-    args = build_parser().parse_args(["serve"])
-    for name, value in overrides.items():
-        if not hasattr(args, name):
-            raise TypeError(f"unknown serve option {name!r}")
-        setattr(args, name, value)
-    return args
 
 
 def slowdown_of(args: argparse.Namespace, index: int) -> float:
@@ -315,24 +302,6 @@ class LocalServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def serve(
-    model: str = "smollm2-135m-instruct",
-    *,
-    workers: int = 1,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    **options,
-) -> LocalServer:
-    """Start the persistent stack locally from Python, like ``fuseserve serve``; returns once healthy.
-
-    ``options`` are the other ``fuseserve serve`` options by their Python names (``token_budget``,
-    ``kv_cache_memory``, ``policy``, ``device``, ``threads``, ...). Raises ``TypeError`` for an unknown
-    option and ``FuseServeError`` when a process dies or the stack is not healthy in time.
-    """
-    stack, url = start_stack(serve_args(model=model, workers=workers, host=host, port=port, **options))
-    return LocalServer(stack, url)
 
 
 def wait_healthy(stack: Stack, base: str, workers: int, timeout: float = READY_TIMEOUT_S) -> None:

@@ -92,8 +92,8 @@ def test_scheduler_alone_keeps_serving_until_its_requests_finish():
 
 
 def test_serve_passes_drain_timeout_to_scheduler_and_workers():
-    from fuseserve.cli import build_parser
-    from fuseserve.launcher import serve_args, worker_argv
+    from fuseserve.cli import build_parser, serve_args
+    from fuseserve.launcher import worker_argv
 
     argv = worker_argv(serve_args(workers=2, drain_timeout=5), "redis://x", 0)
     assert argv[argv.index("--drain-timeout") + 1] == "5"

@@ -121,8 +121,9 @@ def test_the_live_view_hint_reads_the_password_from_its_file_and_never_prints_it
 def test_serve_refuses_a_taken_port_with_a_clear_error():
     import socket
 
+    from fuseserve.cli import serve_args
     from fuseserve.errors import FuseServeError
-    from fuseserve.launcher import serve_args, start_stack
+    from fuseserve.launcher import start_stack
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

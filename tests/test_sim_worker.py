@@ -210,7 +210,8 @@ def test_simulated_worker_process_registers_serves_and_exports_metrics():
 
 
 def test_serve_builds_simulated_worker_command_lines():
-    from fuseserve.launcher import serve_args, slowdown_of, worker_argv
+    from fuseserve.cli import serve_args
+    from fuseserve.launcher import slowdown_of, worker_argv
 
     args = serve_args(workers=3, simulate="cpu-smollm2", simulate_slowdown="1,3")
     lines = [worker_argv(args, "redis://x", i) for i in range(3)]
