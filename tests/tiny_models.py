@@ -114,6 +114,17 @@ CONFIGS = {
         mlp_only_layers=[1],  # one dense layer among the sparse ones
         architectures=["Qwen3MoeForCausalLM"],
     ),
+    # the shape a divergence was reported on with transformers 5.24 (issue 23): 4 experts, top 2,
+    # renormalised top-k weights (tests/test_moe_routing.py draws prompts for it)
+    "qwen3moe-top2of4-norm": lambda: Qwen3MoeConfig(
+        **{**TINY, "num_hidden_layers": 3},
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"],
+    ),
 }
 
 
