@@ -27,7 +27,6 @@ from fuseserve.messages import (
     SCHEDULER_TTL_S,
     ControlMessage,
     RequestMessage,
-    TokenMessage,
     WorkerRecord,
     encode_events,
     responses_stream,
@@ -61,6 +60,7 @@ class FakeScheduler:
         self.duplicate = False
         self.burst = False
         self._dead = threading.Event()
+        self._halted = threading.Event()  # the loop saw ``_dead``: it beats and sends no more
         self._beat_at = 0.0
         self.requests: list[RequestMessage] = []
         self.aborts: list[ControlMessage] = []
@@ -84,8 +84,10 @@ class FakeScheduler:
 
     def kill(self) -> None:
         """Stop as a crash would: no heartbeat (key deleted, as if it expired), no more events."""
+        self._halted.clear()
         self._dead.set()
-        time.sleep(0.1)  # let the loop finish its iteration
+        if not self._halted.wait(10):  # the loop finishes its iteration (which may beat) first
+            raise RuntimeError("the fake scheduler's loop did not stop")
         self.r.delete(SCHEDULER_HEARTBEAT)
 
     @property
@@ -111,6 +113,11 @@ class FakeScheduler:
             json.dumps({"waiting": waiting, "running": 0, "time": time.time()}),
         )
 
+    def num_sent(self, seq_id: int) -> int:
+        """Events sent so far for the live sequence ``seq_id`` (0 once it finished, or unknown)."""
+        seq = self._live.get(seq_id)
+        return len(seq.output) if seq is not None else 0
+
     def aborts_for(self, seq_ids) -> list[ControlMessage]:
         return [a for a in self.aborts if a.seq_id in set(seq_ids)]
 
@@ -123,6 +130,7 @@ class FakeScheduler:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._dead.is_set():
+                self._halted.set()
                 time.sleep(0.02)
                 continue
             if time.monotonic() - self._beat_at >= min(HEARTBEAT_S, 0.5):
@@ -136,7 +144,7 @@ class FakeScheduler:
                     if self.error_next is not None:
                         error, self.error_next = self.error_next, None
                         self._send(
-                            msg.gateway_id, [TokenMessage(msg.seq_id, error=error, finish_reason="abort")]
+                            msg.gateway_id, [{"seq_id": msg.seq_id, "error": error, "finish_reason": "abort"}]
                         )
                     else:
                         self._live[msg.seq_id] = _Seq(msg)
@@ -154,12 +162,12 @@ class FakeScheduler:
                 time.sleep(self.token_delay)
 
     def _step(self) -> None:
-        by_gateway: dict[str, list[TokenMessage]] = {}
+        by_gateway: dict[str, list[dict]] = {}  # events in their wire form (TokenEvent.to_wire's)
         for sid, seq in list(self._live.items()):
             events = by_gateway.setdefault(seq.msg.gateway_id, [])
             while True:  # one event per step; with ``burst`` all of them up to the sequence's end
                 events.append(self._next_event(seq))
-                if events[-1].finish_reason is not None:
+                if events[-1].get("finish_reason") is not None:
                     del self._live[sid]
                     break
                 if not self.burst:
@@ -167,24 +175,24 @@ class FakeScheduler:
         for gateway_id, events in by_gateway.items():
             self._send(gateway_id, events)
 
-    def _next_event(self, seq: _Seq) -> TokenMessage:
+    def _next_event(self, seq: _Seq) -> dict:
         p, prompt, i = seq.msg.params, seq.msg.prompt_token_ids, len(seq.output)
         if self.error_after is not None and i == self.error_after[0]:
             seq.output.append(-1)
-            return TokenMessage(seq.msg.seq_id, error=self.error_after[1], finish_reason="abort")
+            return {"seq_id": seq.msg.seq_id, "error": self.error_after[1], "finish_reason": "abort"}
         if i >= len(prompt) and not p["ignore_eos"]:
             token, hidden, finish = EOS, True, "stop"
         else:
             token, hidden = prompt[i % len(prompt)], False
             finish = "length" if i + 1 >= p["max_new_tokens"] else None
         seq.output.append(token)
-        ev = TokenMessage(seq.msg.seq_id, i, token, hidden=hidden, finish_reason=finish)
+        ev = {"seq_id": seq.msg.seq_id, "index": i, "token_id": token, "hidden": hidden, "finish_reason": finish}
         if p["logprobs"] is not None:
-            ev.logprob = -0.25
-            ev.top_logprobs = [[token, -0.25], [token + 1, -1.5], [token + 2, -2.5]][: p["logprobs"]]
+            ev["logprob"] = -0.25
+            ev["top_logprobs"] = [[token, -0.25], [token + 1, -1.5], [token + 2, -2.5]][: p["logprobs"]]
         return ev
 
-    def _send(self, gateway_id: str, events: list[TokenMessage]) -> None:
+    def _send(self, gateway_id: str, events: list[dict]) -> None:
         if self.duplicate:
             events = [e for e in events for _ in (0, 1)]
         self.r.xadd(responses_stream(gateway_id), encode_events(events))
