@@ -25,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus
+from fuseserve.stop_rule import check_stop
 from fuseserve.types import StepResult, TokenEvent
 
 if TYPE_CHECKING:
@@ -96,9 +97,13 @@ def apply_passes(sched: Scheduler, worker: str, record: InFlight, result: StepRe
         for i, tok in enumerate(toks):
             seq.num_pending -= 1
             seq.output_token_ids.append(tok.token_id)
-            reason, hidden = _stop_reason(sched, seq, tok.token_id)
-            index = len(seq.output_token_ids) - 1
+            num_output = len(seq.output_token_ids)
+            reason = check_stop(
+                seq.params, tok.token_id, num_output, seq.num_tokens, sched.eos_token_ids, sched.max_model_len
+            )
+            index = num_output - 1
             cached = (seq.num_cached_tokens or 0) if index == 0 else 0
+            hidden = reason is FinishReason.STOP
             events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
             if reason is not None:
                 sched._finish(seq, reason)
@@ -114,17 +119,3 @@ def apply_passes(sched: Scheduler, worker: str, record: InFlight, result: StepRe
                 )
                 sched._to_waiting(seq)
     return events
-
-
-def _stop_reason(sched: Scheduler, seq, token_id: int) -> tuple[FinishReason | None, bool]:
-    """The token-level stop after ``seq`` took ``token_id`` (the rule ``Postprocess.postprocess``
-    applies): EOS / a stop id once ``min_new_tokens`` exist (hidden), else length."""
-    p = seq.params
-    n_out = len(seq.output_token_ids)
-    if n_out >= p.min_new_tokens and (
-        (token_id in sched.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids
-    ):
-        return FinishReason.STOP, True
-    if n_out >= p.max_new_tokens or seq.num_tokens >= sched.max_model_len:
-        return FinishReason.LENGTH, False
-    return None, False

@@ -15,6 +15,7 @@ from fuseserve.pass_shape import PassShape
 from fuseserve.scheduler import multi_pass
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.scheduler.worker_slot import WorkerSlot
+from fuseserve.stop_rule import check_stop
 from fuseserve.types import StepResult, TokenEvent
 
 if TYPE_CHECKING:
@@ -122,18 +123,13 @@ class Postprocess:
             seq.num_pending -= 1
             out = seq.output_token_ids
             out.append(tok.token_id)
-            # the stop rules: EOS / a stop id once ``min_new_tokens`` exist (hidden), else length
-            p = seq.params
             n_out = len(out)
-            reason, hidden = None, False
-            if n_out >= p.min_new_tokens and (
-                (tok.token_id in eos_ids and not p.ignore_eos) or tok.token_id in p.stop_token_ids
-            ):
-                reason, hidden = FinishReason.STOP, True
-            elif n_out >= p.max_new_tokens or len(seq.prompt_token_ids) + n_out >= max_model_len:
-                reason = FinishReason.LENGTH
+            reason = check_stop(
+                seq.params, tok.token_id, n_out, len(seq.prompt_token_ids) + n_out, eos_ids, max_model_len
+            )
             index = n_out - 1
             cached = (seq.num_cached_tokens or 0) if index == 0 else 0
+            hidden = reason is FinishReason.STOP  # a stop token is not part of the text
             events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
             if reason is not None:
                 self._finish(seq, reason)

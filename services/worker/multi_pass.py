@@ -10,7 +10,7 @@ pass exactly as with one plan per pass.
 
 A sequence stops taking passes when it reaches ``max_new_tokens`` or samples a stop token (EOS unless
 ``ignore_eos``, or a ``stop_token_ids`` id, once ``min_new_tokens`` are generated): the scheduler's
-own token-level stop rule (``Scheduler._stop_reason``). A plan the scheduler built while that plan
+own token-level stop rule (``fuseserve.stop_rule.check_stop``). A plan the scheduler built while that plan
 ran may still hold the stopped sequence (overlap), positioned as if every pass had run: such chunks
 are dropped (``WorkerSeq.stopped``), and the scheduler drops nothing it expects from them (the
 sequence finished on the stop).
@@ -21,8 +21,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from fuseserve.types import SeqChunk, StepPlan, StepResult
+from fuseserve.stop_rule import check_stop
+from fuseserve.types import FinishReason, SeqChunk, StepPlan, StepResult
 from fuseserve.worker.seq_table import WorkerSeq
+
+_NO_LIMIT = 1 << 62  # the context window, checked by the scheduler instead
 
 
 def run_passes(runner, plan: StepPlan, step_once: Callable[[StepPlan], StepResult]) -> StepResult:
@@ -64,14 +67,14 @@ def _stops(seq: WorkerSeq, token_id: int, eos: set[int]) -> bool:
     A stop token marks the sequence ``stopped`` (later plans built before the scheduler learned of
     the stop drop its chunks); the length stop needs no mark (the scheduler plans no token past it).
     """
-    params = seq.sampling.params
-    num_generated = seq.num_computed + 1 - seq.prompt_len  # the tokens after the prompt, this one included
-    if num_generated >= params.min_new_tokens and (
-        (token_id in eos and not params.ignore_eos) or token_id in params.stop_token_ids
-    ):
+    num_tokens = seq.num_computed + 1  # prompt + generated, this one included
+    # no context-window check: the scheduler plans no pass past the window (``plan_passes``)
+    reason = check_stop(
+        seq.sampling.params, token_id, num_tokens - seq.prompt_len, num_tokens, eos, _NO_LIMIT
+    )
+    if reason is FinishReason.STOP:
         seq.stopped = True
-        return True
-    return num_generated >= params.max_new_tokens
+    return reason is not None
 
 
 def _drop_stopped(runner, plan: StepPlan) -> StepPlan:
