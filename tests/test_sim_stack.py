@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 import redis
-from stack_harness import MODEL, openai_client
+from stack_harness import MODEL, openai_client, wait_for, worker_num_running
 
 from fuseserve import messages
 from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, free_port
@@ -220,7 +220,7 @@ def test_a_worker_lost_under_load_is_driven_again_when_it_returns(server, client
 
     with ThreadPoolExecutor(6) as ex:
         running = [ex.submit(one, i) for i in range(6)]
-        time.sleep(1.0)  # both workers have plans in flight
+        wait_for(lambda: worker_num_running(stack, "worker-1") > 0, 60, "sequences on worker-1")
         old = dict(stack.procs)["worker-1"]
         old.kill()
         old.wait()

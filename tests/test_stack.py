@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import grpc
 import httpx
 import pytest
 import redis
-from stack_harness import MODEL, openai_client, pipe, stack  # noqa: F401 (fixtures)
+from stack_harness import MODEL, openai_client, pipe, stack, wait_for  # noqa: F401 (fixtures)
 
 from fuseserve import messages
 
@@ -57,16 +56,21 @@ def test_concurrent_requests_use_both_workers_and_match_pipeline(stack, client, 
     def ask(p):
         return client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
 
-    before = messages.read_scheduler_stats(redis_client(stack))["workers"]
+    stats_redis = redis_client(stack)
+    before = messages.read_scheduler_stats(stats_redis)["workers"]
     with concurrent.futures.ThreadPoolExecutor(32) as ex:
         got = list(ex.map(ask, prompts))
     expected = [r.text for r in pipe(prompts, max_new_tokens=12, temperature=0.0)]
     assert got == expected
-    time.sleep(1.5)  # stats are written each second
-    after = messages.read_scheduler_stats(redis_client(stack))["workers"]
-    served = {w: after[w]["admitted"] - before.get(w, {}).get("admitted", 0) for w in after}
-    assert len(served) == 2 and all(n > 0 for n in served.values()), served
-    assert sum(served.values()) >= 32
+
+    def served() -> dict[str, int] | None:
+        """Admissions per worker since ``before``, once the stats (written each second) count all 32."""
+        after = messages.read_scheduler_stats(stats_redis).get("workers", {})
+        n = {w: after[w]["admitted"] - before.get(w, {}).get("admitted", 0) for w in after}
+        return n if sum(n.values()) >= 32 else None
+
+    counts = wait_for(served, 60, "32 admissions in the scheduler's stats")
+    assert len(counts) == 2 and all(n > 0 for n in counts.values()), counts
 
 
 @pytest.mark.parametrize(
@@ -132,17 +136,15 @@ def test_disconnect_mid_stream_frees_the_sequence(stack):
                 seen += 1
                 if seen >= 3:
                     break
-        deadline = time.monotonic() + 5.0  # the sequence is on a worker while it streams
-        while not any(h.num_running_seqs > 0 for _, h in worker_health(stack)):
-            assert time.monotonic() < deadline, "the streaming sequence never showed up on a worker"
-            time.sleep(0.05)
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
-        health = worker_health(stack)
-        if all(h.num_running_seqs == 0 and h.num_free_blocks == rec.num_blocks for rec, h in health):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(
-            f"sequence not freed within 2 s: {[(h.num_running_seqs, h.num_free_blocks) for _, h in health]}"
+        wait_for(  # the sequence is on a worker while it streams
+            lambda: any(h.num_running_seqs > 0 for _, h in worker_health(stack)),
+            60,
+            "the streaming sequence on a worker",
         )
+    wait_for(
+        lambda: all(
+            h.num_running_seqs == 0 and h.num_free_blocks == rec.num_blocks for rec, h in worker_health(stack)
+        ),
+        60,
+        "the sequence freed on its worker after the disconnect",
+    )

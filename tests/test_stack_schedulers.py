@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import signal
-import time
 
 import pytest
 from stack_harness import (
@@ -17,6 +16,7 @@ from stack_harness import (
     openai_client,
     recovery_stack,
     stats_of_live_schedulers,
+    wait_for,
 )
 
 NUM_REQUESTS = 16
@@ -41,10 +41,11 @@ def test_killed_scheduler_workers_and_requests_taken_over(stack):
     with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as ex:
         baseline = list(ex.map(lambda p: ask(client, p), PROMPTS))
     assert all(n == NEW_TOKENS for _, n in baseline)
+    progress: list = []
     with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as ex:
-        futures = [ex.submit(ask, client, p) for p in PROMPTS]
+        futures = [ex.submit(ask, client, p, progress=progress) for p in PROMPTS]
         victim, _ = busiest_scheduler(stack)
-        time.sleep(1.0)  # tokens are flowing
+        wait_for(lambda: progress, 120, "tokens flowing")
         proc = next(p for name, p in stack.procs if name == victim)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -54,5 +55,8 @@ def test_killed_scheduler_workers_and_requests_taken_over(stack):
     # identical text: no token lost, none repeated (a token sent twice would show in the text);
     # usage counts every token once
     assert got == baseline
-    time.sleep(1.5)  # stats are written once a second
-    assert sum(s.get("taken_over", 0) for s in stats_of_live_schedulers(stack) if s["pid"] != proc.pid) > 0
+    wait_for(  # the stats are written once a second
+        lambda: sum(s.get("taken_over", 0) for s in stats_of_live_schedulers(stack) if s["pid"] != proc.pid),
+        60,
+        "the takeover in the live scheduler's stats",
+    )
