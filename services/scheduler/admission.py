@@ -19,20 +19,20 @@ from fuseserve.scheduler.worker_slot import WorkerSlot
 
 if TYPE_CHECKING:
     from fuseserve.config import EngineConfig
+    from fuseserve.scheduler.core_stats import SchedulerCounters
 
 
 class Admission:
     """The admission half of ``fuseserve.scheduler.scheduler.Scheduler`` (a base class of it), over
     the scheduler's state: ``config``, ``slots``, ``waiting``, ``model_id``, ``touched`` and the
-    prefix-cache counters."""
+    event ``counters``."""
 
     config: EngineConfig
     slots: dict[str, WorkerSlot]
     waiting: collections.deque[Sequence]
     model_id: str
     touched: set[str]
-    num_prefix_queries: int
-    num_prefix_hits: int
+    counters: SchedulerCounters
     _admit_counter: itertools.count
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
@@ -79,8 +79,8 @@ class Admission:
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_start_tokens
         if self.config.enable_prefix_caching and seq.params.prompt_logprobs is None:  # looked up
-            self.num_prefix_queries += seq.num_tokens
-            self.num_prefix_hits += seq.num_start_tokens
+            self.counters.num_prefix_queries += seq.num_tokens
+            self.counters.num_prefix_hits += seq.num_start_tokens
         seq.status = SeqStatus.RUNNING
         seq.worker = slot.name
         seq.admitted_at = next(self._admit_counter)

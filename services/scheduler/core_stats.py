@@ -1,12 +1,16 @@
-"""The engine core's measurements: scheduler CPU and worker idle time per worker-step, over a window.
+"""The engine core's stats: scheduler CPU and worker idle time per worker-step over a window
+(``CoreStats``), the scheduler's event counters (``SchedulerCounters``) and the typed record an adapter
+reads them through (``SchedulerStats``, from ``EngineCore.make_stats``).
 
 ``EngineCore.stats`` is a ``CoreStats``; the scheduler service writes its p50 / p99 into its stats
-record and Prometheus histograms (``services/scheduler/service.py``).
+record and Prometheus histograms (``services/scheduler/service.py``). Counters cross to the service
+read and reset (vLLM's ``make_prefix_cache_stats``): each ``make_stats`` returns the events since the
+previous one, so no reader diffs another object's counters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -103,3 +107,57 @@ class CoreStats:
     def idle_ms(self) -> tuple[float, float]:
         """Worker idle time between passes in milliseconds, ``(p50, p99)``."""
         return self.idle_s.p50_p99_ms()
+
+
+@dataclass
+class SchedulerCounters:
+    """Scheduler events, counted where they happen (``Scheduler.counters``); each is a count since
+    the previous ``Scheduler.make_stats``, or a total (``Scheduler.totals``).
+
+    num_preemptions: sequences preempted (recomputed later). num_forced_preemptions: of those, past
+    ``max_preemptions`` to break a KV-cache deadlock. num_surplus_tokens: tokens sampled past a stop
+    learned one pass late, dropped. num_prefix_queries: prompt tokens looked up in a prefix cache at
+    admission; num_prefix_hits: of those, tokens found cached (not computed again).
+    """
+
+    num_preemptions: int = 0
+    num_forced_preemptions: int = 0
+    num_surplus_tokens: int = 0
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
+
+    def add(self, other: SchedulerCounters) -> None:
+        """Add ``other``'s counts to these."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class WorkerStats:
+    """One worker's load when the record was made: sequences admitted onto it so far (recomputes
+    included), running now, and its free / total KV blocks."""
+
+    num_admitted: int
+    num_running: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+@dataclass
+class SchedulerStats:
+    """One read of the engine core (``EngineCore.make_stats``): its state now, totals so far, and
+    what happened since the previous read.
+
+    num_waiting / num_running: sequences queued / running on workers. workers: by worker name, in
+    registration order. num_worker_steps: passes applied so far. num_surplus_tokens: the total of
+    ``SchedulerCounters.num_surplus_tokens`` so far. new: the scheduler's events since the previous
+    read. new_idle_s: worker idle times (seconds) reported since the previous read, newest first.
+    """
+
+    num_waiting: int
+    num_running: int
+    workers: dict[str, WorkerStats]
+    num_worker_steps: int
+    num_surplus_tokens: int
+    new: SchedulerCounters
+    new_idle_s: list[float]

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from fuseserve.config import EngineConfig
 from fuseserve.errors import WorkerLostError
-from fuseserve.scheduler.core_stats import CoreStats
+from fuseserve.scheduler.core_stats import CoreStats, SchedulerStats, WorkerStats
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
 from fuseserve.types import StepPlan, StepResult
@@ -115,6 +115,7 @@ class EngineCore:
         self.overlap = overlap
         self.depth = 2 if overlap else 1
         self.stats = CoreStats()
+        self._num_idle_reported = 0  # idle times ``make_stats`` has returned so far
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._lanes: dict[str, _Lane] = {}
         self._dispatch_all = False
@@ -198,6 +199,29 @@ class EngineCore:
         until a result or ``wakeup`` (None waiter: return at once)."""
         if self.waiter is not None:
             self.waiter.wait(timeout)
+
+    # ----- stats -----
+    def make_stats(self) -> SchedulerStats:
+        """The engine's stats record: queue and workers now, totals, and the events and worker idle
+        times since the previous call (read and reset: each is returned once)."""
+        sched = self.scheduler
+        workers = {
+            name: WorkerStats(s.num_admitted, len(s.running), s.account.num_free, s.account.num_blocks)
+            for name, s in sched.slots.items()
+        }
+        stats = self.stats
+        new_idle = stats.idle_s.last(stats.num_idle - self._num_idle_reported)
+        self._num_idle_reported = stats.num_idle
+        new = sched.make_stats()
+        return SchedulerStats(
+            len(sched.waiting),
+            sched.num_running,
+            workers,
+            stats.num_worker_steps,
+            sched.num_surplus_tokens,
+            new,
+            new_idle,
+        )
 
     # ----- stepping -----
     def poll(self, timeout: float | None = None, record_cpu: bool = True) -> list[TokenEvent]:

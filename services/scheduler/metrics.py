@@ -18,6 +18,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from fuseserve.scheduler.core_stats import SchedulerStats
 from fuseserve.types import StepPlan
 
 UNKNOWN_MODEL = "unknown"
@@ -215,6 +216,18 @@ class SchedulerMetrics:
         self.scheduler = core.scheduler
         core.on_plans = self.observe_plans
         core.scheduler.pass_observers.append(self.observe_budget)
+
+    def record(self, stats: SchedulerStats) -> None:
+        """Count the events of one stats record (``EngineCore.make_stats``, read and reset: each
+        event comes in one record): preemptions, prefix-cache lookups and hits, worker idle times."""
+        new = stats.new
+        if new.num_preemptions:
+            self.preemptions.inc(new.num_preemptions)
+        if new.num_prefix_queries:
+            self.prefix_cache_queries.inc(new.num_prefix_queries)
+            self.prefix_cache_hits.inc(new.num_prefix_hits)
+        for idle in stats.new_idle_s:
+            self.worker_idle.observe(idle)
 
     def observe_budget(self, worker: str, token_budget: int, _num_tokens: int) -> None:
         """The budget chosen for one planned pass (``Scheduler.pass_observers``)."""

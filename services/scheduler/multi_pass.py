@@ -92,7 +92,7 @@ def apply_passes(sched: Scheduler, worker: str, record: InFlight, result: StepRe
         toks = by_seq.get(seq.seq_id, ())
         if not sched._live(seq, worker, admitted_at):
             if seq.status is SeqStatus.FINISHED:
-                sched.num_surplus_tokens += len(toks)
+                sched.counters.num_surplus_tokens += len(toks)
             continue
         for i, tok in enumerate(toks):
             seq.num_pending -= 1
@@ -107,7 +107,7 @@ def apply_passes(sched: Scheduler, worker: str, record: InFlight, result: StepRe
             events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
             if reason is not None:
                 sched._finish(seq, reason)
-                sched.num_surplus_tokens += len(toks) - i - 1
+                sched.counters.num_surplus_tokens += len(toks) - i - 1
                 break
         else:
             if len(toks) < record.passes[seq.seq_id]:

@@ -19,6 +19,7 @@ from fuseserve.stop_rule import check_stop
 from fuseserve.types import StepResult, TokenEvent
 
 if TYPE_CHECKING:
+    from fuseserve.scheduler.core_stats import SchedulerCounters
     from fuseserve.scheduler.slo_budget import SLOBudget
 
 
@@ -30,7 +31,7 @@ class Postprocess:
     waiting: collections.deque[Sequence]
     eos_token_ids: set[int]
     slo: SLOBudget | None
-    num_surplus_tokens: int
+    counters: SchedulerCounters
     _max_model_len: int
 
     def fail_plan(self, worker: str, message: str) -> list[TokenEvent]:
@@ -118,7 +119,7 @@ class Postprocess:
                 continue
             if not live:
                 if seq.status is SeqStatus.FINISHED:
-                    self.num_surplus_tokens += 1
+                    self.counters.num_surplus_tokens += 1
                 continue
             seq.num_pending -= 1
             out = seq.output_token_ids

@@ -47,6 +47,7 @@ from fuseserve.pass_shape import PassShape
 from fuseserve.scheduler import multi_pass
 from fuseserve.scheduler.admission import Admission
 from fuseserve.scheduler.block_accounting import BlockAccount
+from fuseserve.scheduler.core_stats import SchedulerCounters
 from fuseserve.scheduler.policies import Draft, Policy, get_policy, schedule_decodes
 from fuseserve.scheduler.postprocess import Postprocess
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
@@ -89,13 +90,31 @@ class Scheduler(Admission, Postprocess):
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.seqs: dict[int, Sequence] = {}
         self._admit_counter = itertools.count()
-        self.num_preemptions = 0
-        self.num_forced_preemptions = 0  # of those, past max_preemptions to break a deadlock
-        self.num_surplus_tokens = 0  # tokens sampled past a stop learned one pass late, dropped
-        self.num_prefix_queries = 0  # tokens looked up in a prefix cache at admission
-        self.num_prefix_hits = 0  # of those, tokens found cached (not computed again)
+        self.counters = SchedulerCounters()  # events since the last ``make_stats``
+        self._reported = SchedulerCounters()  # the events of the records made so far
         self.model_id = ""  # part of every block hash (``fuseserve/block_hash.py``)
         self.touched: set[str] = set()  # workers given work outside their own planning (to dispatch)
+
+    # ----- stats -----
+    def make_stats(self) -> SchedulerCounters:
+        """The events counted since the previous call, read and reset (``totals`` goes on)."""
+        new, self.counters = self.counters, SchedulerCounters()
+        self._reported.add(new)
+        return new
+
+    def totals(self) -> SchedulerCounters:
+        """Every event counted so far."""
+        totals = SchedulerCounters()
+        totals.add(self._reported)
+        totals.add(self.counters)
+        return totals
+
+    # each total so far, by its ``SchedulerCounters`` name
+    num_preemptions = property(lambda self: self.totals().num_preemptions)
+    num_forced_preemptions = property(lambda self: self.totals().num_forced_preemptions)
+    num_surplus_tokens = property(lambda self: self.totals().num_surplus_tokens)
+    num_prefix_queries = property(lambda self: self.totals().num_prefix_queries)
+    num_prefix_hits = property(lambda self: self.totals().num_prefix_hits)
 
     # ----- workers -----
     def add_worker(
@@ -215,7 +234,7 @@ class Scheduler(Admission, Postprocess):
                 # nothing would ever run again, so preempt the newest past its cap (liveness first)
                 victim = max(slot.running, key=lambda s: s.admitted_at)
                 log.warning("seq %d preempted past the cap to break a KV-cache deadlock", victim.seq_id)
-                self.num_forced_preemptions += 1
+                self.counters.num_forced_preemptions += 1
                 self.preempt(slot, victim, draft)
                 draft.blocked = False
                 schedule_decodes(self, slot, draft)
@@ -332,7 +351,7 @@ class Scheduler(Admission, Postprocess):
         if draft is not None:
             draft.drop(seq)
         seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         self._to_waiting(seq)
         log.debug("preempted seq %d (%d times)", seq.seq_id, seq.num_preemptions)
 

@@ -238,9 +238,6 @@ class SchedulerService:
             self.core.wait(timeout)
             self._cpu0 = time.process_time()
             return
-        preempted = self.scheduler.num_preemptions
-        queries, hits = self.scheduler.num_prefix_queries, self.scheduler.num_prefix_hits
-        idle_seen = self.core.stats.num_idle
         events = self.core.poll(timeout=timeout, record_cpu=False)
         n = self.core.num_completions
         if not n:
@@ -248,14 +245,7 @@ class SchedulerService:
                 self.core.wait(min(timeout, 0.05))  # work that no worker can take yet: do not spin
             return
         self._publish_events(events)
-        if self.scheduler.num_preemptions != preempted:
-            self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
-        if self.scheduler.num_prefix_queries != queries:
-            self.metrics.prefix_cache_queries.inc(self.scheduler.num_prefix_queries - queries)
-            self.metrics.prefix_cache_hits.inc(self.scheduler.num_prefix_hits - hits)
-        # only the new tail: copying the whole window (up to STATS_WINDOW floats) every poll costs
-        for idle in self.core.stats.idle_s.last(self.core.stats.num_idle - idle_seen):
-            self.metrics.worker_idle.observe(idle)
+        self.metrics.record(self.core.make_stats())  # the events since the last record
         cpu = time.process_time()  # the process's CPU since the last worker-steps, spread over these
         self.stats_cpu(cpu - self._cpu0, n)
         self._cpu0 = cpu
@@ -299,15 +289,17 @@ class SchedulerService:
     def _stats_command(self) -> tuple:
         """The ``SET`` of this scheduler's stats record (``messages.scheduler_stats_key``); sets the
         queue-depth and running gauges."""
-        waiting, running = len(self.scheduler.waiting), self.scheduler.num_running
+        record = self.core.make_stats()
+        self.metrics.record(record)
+        waiting, running = record.num_waiting, record.num_running
         workers = {
             name: {
-                "admitted": s.num_admitted,
-                "running": len(s.running),
-                "free_blocks": s.account.num_free,
-                "num_blocks": s.account.num_blocks,
+                "admitted": w.num_admitted,
+                "running": w.num_running,
+                "free_blocks": w.num_free_blocks,
+                "num_blocks": w.num_blocks,
             }
-            for name, s in self.scheduler.slots.items()
+            for name, w in record.workers.items()
         }
         cpu50, cpu99 = self.core.stats.cpu_per_step_ms()
         idle50, idle99 = self.core.stats.idle_ms()
@@ -316,17 +308,17 @@ class SchedulerService:
             "running": running,
             "time": time.time(),
             "workers": workers,
-            "worker_steps": self.core.stats.num_worker_steps,
+            "worker_steps": record.num_worker_steps,
             "cpu_ms_per_worker_step": {"p50": cpu50, "p99": cpu99},
             "worker_idle_ms": {"p50": idle50, "p99": idle99},
-            "surplus_tokens": self.scheduler.num_surplus_tokens,
+            "surplus_tokens": record.num_surplus_tokens,
             "scheduler": self.consumer,
             "pid": os.getpid(),
             "taken_over": self.num_taken_over,
             "metrics_port": self.metrics.port,
             "metrics_host": socket.gethostname(),
         }
-        self.metrics.queue_depth.set(waiting)
+        self.metrics.queue_depth.set(waiting)  # the gauges; ``record`` counted the events
         self.metrics.running.set(running)
         # its own record: readers add the schedulers' records up (``messages.read_scheduler_stats``)
         return ("SET", messages.scheduler_stats_key(self.consumer), json.dumps(stats), "EX", 10)
