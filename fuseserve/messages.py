@@ -6,8 +6,8 @@ Keys and streams (all JSON in a single ``data`` field):
   scheduler acknowledges (XACK) an entry only when its sequence has finished, so a restarted
   scheduler re-claims unfinished requests.
 - ``responses_stream(gateway_id)``: one entry per scheduler step and gateway, ``{"events": [...]}``
-  with ``TokenMessage`` dicts for every request of that gateway that produced something; a field at
-  its default may be left out (``TokenMessage.to_wire``), the reader fills it in.
+  with the ``fuseserve.types.TokenEvent`` of every request of that gateway that produced something,
+  in its wire form (``TokenEvent.to_wire``: fields at their default left out; ``from_wire`` reads it).
 - ``CONTROL`` stream: ``ControlMessage`` (abort: client gone, or a stop string matched).
 - ``worker_key(worker_id)``: a worker's ``WorkerRecord``, written with a TTL and refreshed by its
   heartbeat; a worker whose key expires is dead.
@@ -55,7 +55,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
+
+from fuseserve.types import TokenEvent
 
 PREFIX = "fuseserve"
 REQUESTS = f"{PREFIX}:requests"
@@ -164,65 +166,16 @@ class RequestMessage:
         return cls(**json.loads(raw))
 
 
-@dataclass
-class TokenMessage:
-    """One event of a sequence.
-
-    index: position of the token in the output (0-based), so a consumer can drop duplicates after a
-        scheduler restart; -1 for an event without a token.
-    token_id: the token, or None (an abort / error without a token).
-    hidden: the token ended the sequence as EOS / stop token id; it is not part of the text.
-    finish_reason: "stop" | "length" | "abort" on the sequence's last event, else None.
-    error: ``{"message", "type", "status"}`` when the scheduler rejected the request.
-    cached_tokens: on the first token's event (index 0): prompt tokens found in the prefix cache.
-    prompt_logprobs: ``{"start_pos", "logprobs", "top": [[[token_id, logprob], ...], ...]}`` for an
-        event carrying prompt-token logprobs (no token), else None.
-    """
-
-    seq_id: int
-    index: int = -1
-    token_id: int | None = None
-    logprob: float | None = None
-    top_logprobs: list[list] = field(default_factory=list)  # [[token_id, logprob], ...]
-    hidden: bool = False
-    finish_reason: str | None = None
-    error: dict | None = None
-    cached_tokens: int = 0
-    prompt_logprobs: dict | None = None
-
-    def to_wire(self) -> dict:
-        """The event as sent: its fields, those at their default left out (``decode_events`` fills
-        them in; a plain token is ``{"seq_id", "index", "token_id"}``, a third of the full dict)."""
-        return {k: v for k, v in vars(self).items() if v != _TOKEN_DEFAULTS.get(k, _REQUIRED)}
-
-
-_REQUIRED = object()  # a field without a default: always sent
-#: ``TokenMessage``'s defaults, field name → value (a field at its default is left off the wire)
-_TOKEN_DEFAULTS = {
-    f.name: f.default if f.default is not MISSING else f.default_factory()
-    for f in fields(TokenMessage)
-    if f.default is not MISSING or f.default_factory is not MISSING
-}
-
-
-def prompt_logprobs_to_wire(p) -> dict | None:
-    """A ``fuseserve.types.PromptLogprobs`` as ``TokenMessage.prompt_logprobs`` (None stays None)."""
-    if p is None:
-        return None
-    top = [[[t.token_id, t.logprob] for t in alts] for alts in p.top]
-    return {"start_pos": p.start_pos, "logprobs": list(p.logprobs), "top": top}
-
-
-def encode_events(events: list[TokenMessage | dict]) -> dict[str, str]:
-    """One stream entry for a batch of events: ``TokenMessage``s, or their wire dicts already
-    (``TokenMessage.to_wire``'s form: fields at their default may be left out)."""
+def encode_events(events: list[TokenEvent | dict]) -> dict[str, str]:
+    """One stream entry for a batch of events: ``TokenEvent``s, or their wire dicts already."""
     wire = [e if type(e) is dict else e.to_wire() for e in events]
     return {"data": json.dumps({"events": wire}, separators=(",", ":"))}
 
 
-def decode_events(fields: dict) -> list[TokenMessage]:
+def decode_events(fields: dict) -> list[TokenEvent]:
+    """The events of one stream entry (``encode_events``'s)."""
     raw = fields.get("data", fields.get(b"data"))
-    return [TokenMessage(**e) for e in json.loads(raw)["events"]]
+    return [TokenEvent.from_wire(e) for e in json.loads(raw)["events"]]
 
 
 @dataclass

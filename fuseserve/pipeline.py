@@ -278,17 +278,7 @@ class Pipeline:
             req.finish_reason = FinishReason.ABORT.value
             raise FuseServeError(f"generation failed: {ev.error}")
         delta = Delta()
-        tok = ev.token
-        req.apply(
-            delta,
-            tok.token_id if tok is not None else None,
-            tok.logprob if tok is not None else None,
-            tok.top_logprobs if tok is not None else None,
-            ev.hidden,
-            ev.finish_reason.value if ev.finish_reason is not None else None,
-            prompt_logprobs=ev.prompt_logprobs,
-            cached_tokens=ev.cached_tokens if ev.index == 0 else None,
-        )
+        req.apply(ev, delta)
         if req.stop_matched:
             self._command("abort", req.seq_id)
         return delta.text

@@ -134,7 +134,8 @@ class TokenEvent:
 
     hidden: the token ended the sequence as EOS / a stop token id and is not part of the text.
     error: why the sequence failed (with ``finish_reason`` ABORT), e.g. the worker rejected its step;
-    error_status: the HTTP status that error maps to (500 engine failure, 503 no worker).
+    error_status: the HTTP status that error maps to (500 engine failure, 503 no worker, 4xx a
+    request the scheduler refused); error_type: OpenAI's error ``type`` (None: from the status).
     index: the token's position in the sequence's output (-1 without a token), fixed when the token is
     applied: one poll may apply several results of a sequence, so it cannot be read off later.
     prompt_logprobs: prompt-token logprobs (an event without a token); a recompute may resend
@@ -152,3 +153,81 @@ class TokenEvent:
     index: int = -1
     prompt_logprobs: PromptLogprobs | None = None
     cached_tokens: int = 0
+    error_type: str | None = None
+
+    def error_info(self) -> dict | None:
+        """The error as the gateway reports it: ``{"message", "type", "status"}``, or None."""
+        if self.error is None:
+            return None
+        return {
+            "message": self.error,
+            "type": self.error_type or _status_type(self.error_status),
+            "status": self.error_status,
+        }
+
+    def to_wire(self) -> dict:
+        """The event as the scheduler publishes it to a gateway's Redis stream (a JSON object):
+        ``{"seq_id", "index", "token_id"}`` for a plain token, the other fields only when they are
+        not at their default (``logprob``, ``top_logprobs`` ``[[token_id, logprob], ...]``, ``hidden``,
+        ``finish_reason`` as its string, ``cached_tokens``, ``prompt_logprobs`` ``{"start_pos",
+        "logprobs", "top"}``, ``error`` as ``error_info()``). Built straight from the fields: it runs
+        once per token on the scheduler's loop."""
+        tok = self.token
+        if tok is None:
+            wire: dict = (
+                {"seq_id": self.seq_id} if self.index == -1 else {"seq_id": self.seq_id, "index": self.index}
+            )
+        else:
+            wire = {"seq_id": self.seq_id, "index": self.index, "token_id": tok.token_id}
+            if tok.logprob is not None:
+                wire["logprob"] = tok.logprob
+            if tok.top_logprobs:
+                wire["top_logprobs"] = [[t.token_id, t.logprob] for t in tok.top_logprobs]
+        if self.hidden:
+            wire["hidden"] = True
+        if self.finish_reason is not None:
+            wire["finish_reason"] = self.finish_reason.value
+        if self.cached_tokens:
+            wire["cached_tokens"] = self.cached_tokens
+        if self.prompt_logprobs is not None:
+            p = self.prompt_logprobs
+            top = [[[t.token_id, t.logprob] for t in alts] for alts in p.top]
+            wire["prompt_logprobs"] = {"start_pos": p.start_pos, "logprobs": list(p.logprobs), "top": top}
+        if self.error is not None:
+            wire["error"] = self.error_info()
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> TokenEvent:
+        """The event of a ``to_wire`` dict (the gateway's side of the Redis stream)."""
+        seq_id = wire["seq_id"]
+        token_id = wire.get("token_id")
+        token = None
+        if token_id is not None:
+            top = [TokenLogprob(int(t), float(lp)) for t, lp in wire.get("top_logprobs", ())]
+            token = SampledToken(seq_id, token_id, wire.get("logprob"), top)
+        finish = wire.get("finish_reason")
+        prompt = wire.get("prompt_logprobs")
+        if prompt is not None:
+            top = [[TokenLogprob(int(t), float(lp)) for t, lp in alts] for alts in prompt["top"]]
+            prompt = PromptLogprobs(seq_id, prompt["start_pos"], list(prompt["logprobs"]), top)
+        error = wire.get("error")
+        status = int(error.get("status") or 500) if error else 500
+        kind = error.get("type") if error else None
+        return cls(
+            seq_id,
+            token,
+            FinishReason(finish) if finish is not None else None,
+            hidden=wire.get("hidden", False),
+            error=error["message"] if error else None,
+            error_status=status,
+            index=wire.get("index", -1),
+            prompt_logprobs=prompt,
+            cached_tokens=wire.get("cached_tokens", 0),
+            error_type=None if kind == _status_type(status) else kind,  # None: the status's own
+        )
+
+
+def _status_type(status: int) -> str:
+    """OpenAI's error ``type`` of an engine error with HTTP ``status`` (503: no worker)."""
+    return "service_unavailable" if status == 503 else "server_error"

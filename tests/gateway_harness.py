@@ -186,7 +186,13 @@ class FakeScheduler:
             token, hidden = prompt[i % len(prompt)], False
             finish = "length" if i + 1 >= p["max_new_tokens"] else None
         seq.output.append(token)
-        ev = {"seq_id": seq.msg.seq_id, "index": i, "token_id": token, "hidden": hidden, "finish_reason": finish}
+        ev = {
+            "seq_id": seq.msg.seq_id,
+            "index": i,
+            "token_id": token,
+            "hidden": hidden,
+            "finish_reason": finish,
+        }
         if p["logprobs"] is not None:
             ev["logprob"] = -0.25
             ev["top_logprobs"] = [[token, -0.25], [token + 1, -1.5], [token + 2, -2.5]][: p["logprobs"]]

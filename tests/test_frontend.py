@@ -20,6 +20,7 @@ from fuseserve.frontend.params import (
 )
 from fuseserve.proto.convert import sampling_params_from_proto, sampling_params_to_proto
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.types import FinishReason, SampledToken, TokenEvent, TokenLogprob
 
 FULL = _full_params()  # every field set
 BY_HAND = {"logprobs", "prompt_logprobs"}  # per-endpoint OpenAI shapes (openai_params.py); not CLI flags
@@ -107,14 +108,19 @@ def test_encoder_without_tokenizer_takes_token_ids_only():
         enc.chat([{"role": "user", "content": "x"}])
 
 
+def _event(token_id, logprob=None, top=(), **kw) -> TokenEvent:
+    token = None if token_id is None else SampledToken(1, token_id, logprob, list(top))
+    return TokenEvent(1, token, **kw)
+
+
 def test_output_state_stop_string_hidden_eos_duplicates_and_logprobs(tok):
     ids = tok(" one two three four")["input_ids"]
     state = OutputState([1], SamplingParams(stop=["three"], logprobs=1), tok)
     text = ""
     for i, t in enumerate(ids):
         d = Delta()
-        assert state.apply(d, t, -0.5, [[t, -0.5]], index=i)
-        assert not state.apply(Delta(), t, -0.5, [], index=i)  # a resent event is dropped
+        assert state.apply(_event(t, -0.5, [TokenLogprob(t, -0.5)], index=i), d)
+        assert not state.apply(_event(t, -0.5, index=i), Delta())  # a resent event is dropped
         text += d.text
         if d.finished:
             break
@@ -125,8 +131,8 @@ def test_output_state_stop_string_hidden_eos_duplicates_and_logprobs(tok):
     )
     state = OutputState([1], SamplingParams(), tok)
     d = Delta()
-    state.apply(d, ids[0])
-    state.apply(d, 2, hidden=True, finish_reason="stop")
+    state.apply(_event(ids[0]), d)
+    state.apply(_event(2, hidden=True, finish_reason=FinishReason.STOP), d)
     assert d.finished and d.text == state.text == tok.decode(ids[:1]) and state.token_ids == [ids[0], 2]
 
 
@@ -144,6 +150,6 @@ def test_output_state_text_parser_hook(tok):
     state = OutputState([1], SamplingParams(), tok, text_parser=Upper())
     d = Delta()
     for t in ids:
-        state.apply(d, t)
-    state.apply(d, None, finish_reason="length")
+        state.apply(_event(t), d)
+    state.apply(_event(None, finish_reason=FinishReason.LENGTH), d)
     assert state.text == d.text == " HELLO WORLD" and d.tool_calls == ["done"]

@@ -152,23 +152,18 @@ def test_lease_renewal_notes_a_lease_another_scheduler_took(r):
     assert r.pttl(messages.worker_lease_key("w0")) > 1000  # extended to SCHEDULER_TTL_S
 
 
-def full_token_message(ev: TokenEvent) -> messages.TokenMessage:
-    """Every field of an event, spelled out (the form the wire had before defaults were left out)."""
-    tok = ev.token
-    return messages.TokenMessage(
-        seq_id=ev.seq_id,
-        index=ev.index,
-        token_id=tok.token_id if tok else None,
-        logprob=tok.logprob if tok else None,
-        top_logprobs=[[t.token_id, t.logprob] for t in tok.top_logprobs] if tok and tok.top_logprobs else [],
-        hidden=ev.hidden,
-        prompt_logprobs=messages.prompt_logprobs_to_wire(ev.prompt_logprobs),
-        finish_reason=ev.finish_reason.value if ev.finish_reason else None,
-        cached_tokens=ev.cached_tokens,
-        error=None
-        if ev.error is None
-        else {"message": ev.error, "type": redis_io._error_type(ev.error_status), "status": ev.error_status},
-    )
+#: every field a wire event may carry, at its default (a reader must take them spelled out too)
+WIRE_DEFAULTS = {
+    "index": -1,
+    "token_id": None,
+    "logprob": None,
+    "top_logprobs": [],
+    "hidden": False,
+    "finish_reason": None,
+    "error": None,
+    "cached_tokens": 0,
+    "prompt_logprobs": None,
+}
 
 
 EVENTS = [
@@ -182,14 +177,19 @@ EVENTS = [
 ]
 
 
-def test_compact_wire_decodes_to_the_full_message():
-    wire = [redis_io.token_wire(ev) for ev in EVENTS]
+def test_compact_wire_decodes_to_the_same_event():
+    wire = [ev.to_wire() for ev in EVENTS]
+    assert wire[0] == {"seq_id": 1, "index": 0, "token_id": 42, "cached_tokens": 16}
     assert wire[1] == {"seq_id": 2, "index": 3, "token_id": 0, "logprob": 0.0}
-    assert messages.decode_events(messages.encode_events(wire)) == [full_token_message(ev) for ev in EVENTS]
-    full = [full_token_message(ev) for ev in EVENTS]  # TokenMessages encode the same way
-    assert json.loads(messages.encode_events(full)["data"]) == json.loads(
-        messages.encode_events(wire)["data"]
-    )
+    assert wire[4] == {
+        "seq_id": 5,
+        "finish_reason": "abort",
+        "error": {"message": "no worker is available", "type": "service_unavailable", "status": 503},
+    }
+    assert messages.decode_events(messages.encode_events(EVENTS)) == EVENTS
+    assert messages.decode_events(messages.encode_events(wire)) == EVENTS
+    spelled_out = [{**WIRE_DEFAULTS, **w} for w in wire]  # every field present: the same events
+    assert messages.decode_events(messages.encode_events(spelled_out)) == EVENTS
 
 
 def test_publisher_writes_acks_and_reconnects(r):
@@ -197,17 +197,14 @@ def test_publisher_writes_acks_and_reconnects(r):
     add_requests(r, 2)
     entries = r.xreadgroup(messages.SCHEDULER_GROUP, "sched-a", {messages.REQUESTS: ">"}, count=2)[0][1]
     ids = [eid for eid, _ in entries]
-    wire = [redis_io.token_wire(ev) for ev in EVENTS]
+    wire = [ev.to_wire() for ev in EVENTS]
     pub.publish({"gw1": wire[:3], "gw2": wire[3:]}, ids[:1])
     pub.flush()  # the replies: the commands ran
     got = {
         gw: [e for _, f in r.xrange(messages.responses_stream(gw)) for e in messages.decode_events(f)]
         for gw in ("gw1", "gw2")
     }
-    assert got == {
-        "gw1": [full_token_message(ev) for ev in EVENTS[:3]],
-        "gw2": [full_token_message(ev) for ev in EVENTS[3:]],
-    }
+    assert got == {"gw1": EVENTS[:3], "gw2": EVENTS[3:]}
     assert r.xpending(messages.REQUESTS, messages.SCHEDULER_GROUP)["pending"] == 1
     assert [eid for eid, _ in r.xrange(messages.REQUESTS)] == ids[1:]  # acknowledged and deleted
     r.client_kill_filter(_type="normal", skipme=True)  # the publisher's connection is gone

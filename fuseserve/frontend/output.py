@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from fuseserve.detokenizer import DetokenizeStream
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.types import PromptLogprobs, TokenLogprob
+from fuseserve.types import PromptLogprobs, TokenEvent, TokenLogprob
 
 
 @dataclass
@@ -51,11 +51,6 @@ class TextParser(Protocol):
 
     def finish(self, delta: Delta) -> None:
         """The sequence ended: flush anything held back into ``delta``."""
-
-
-def _as_top(top: list) -> list[TokenLogprob]:
-    """Top alternatives as ``TokenLogprob`` (the Redis contract carries ``[[token_id, logprob], ...]``)."""
-    return [t if isinstance(t, TokenLogprob) else TokenLogprob(int(t[0]), float(t[1])) for t in top]
 
 
 class OutputState:
@@ -109,26 +104,22 @@ class OutputState:
             delta.text += piece
             self.text += piece
 
-    def apply(
-        self,
-        delta: Delta,
-        token_id: int | None,
-        logprob: float | None = None,
-        top: list | None = None,
-        hidden: bool = False,
-        finish_reason: str | None = None,
-        index: int = -1,
-        error: Any = None,
-        prompt_logprobs: PromptLogprobs | dict | None = None,
-        cached_tokens: int | None = None,
-    ) -> bool:
-        """Add one event to ``delta``; True when it carried a new token (False: duplicate or none).
+    def apply(self, ev: TokenEvent, delta: Delta) -> bool:
+        """Add one engine event to ``delta``; True when it carried a new token (False: duplicate or none).
 
-        ``index``: the token's position in the output (-1: unknown); an index already seen is a
-        duplicate and ignored. ``error`` finishes the sequence with "error". ``prompt_logprobs``:
-        prompt-token logprobs (a ``PromptLogprobs`` or its wire dict), kept one per position.
-        ``cached_tokens``: the prompt tokens served from the prefix cache (the first token's event).
+        ``ev.index``: the token's position in the output (-1: unknown); an index already seen is a
+        duplicate (a restarted scheduler resends) and ignored. ``ev.error`` finishes the sequence with
+        "error" (``self.error``: ``ev.error_info()``). ``ev.prompt_logprobs``: prompt-token logprobs,
+        kept one per position. ``ev.cached_tokens``: on the first token's event (index 0), the prompt
+        tokens served from the prefix cache.
         """
+        tok = ev.token
+        token_id = tok.token_id if tok is not None else None
+        logprob = tok.logprob if tok is not None else None
+        index, hidden, prompt_logprobs = ev.index, ev.hidden, ev.prompt_logprobs
+        cached_tokens = ev.cached_tokens if index == 0 else None
+        error = ev.error_info()
+        finish_reason = ev.finish_reason.value if ev.finish_reason is not None else None
         if self.finished:
             return False
         if prompt_logprobs is not None:
@@ -143,7 +134,7 @@ class OutputState:
             if cached_tokens is not None:
                 self.cached_tokens = cached_tokens
             self.token_ids.append(token_id)
-            tops = _as_top(top or [])
+            tops = tok.top_logprobs
             if logprob is not None:
                 self.logprobs.append(logprob)
                 self.top_logprobs.append(tops)
@@ -169,15 +160,13 @@ class OutputState:
             self._finish(delta)
         return new_token
 
-    def _add_prompt_logprobs(self, p: PromptLogprobs | dict) -> None:
-        if isinstance(p, dict):
-            p = PromptLogprobs(-1, p["start_pos"], p["logprobs"], [_as_top(t) for t in p["top"]])
+    def _add_prompt_logprobs(self, p: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
         for i, lp in enumerate(p.logprobs):
             pos = p.start_pos + i
             if 0 < pos < len(self.prompt_ids):
-                self.prompt_logprobs[pos] = TokenLogprobs(self.prompt_ids[pos], lp, _as_top(p.top[i]))
+                self.prompt_logprobs[pos] = TokenLogprobs(self.prompt_ids[pos], lp, list(p.top[i]))
 
     def _finish(self, delta: Delta) -> None:
         if self.text_parser is not None:

@@ -15,7 +15,8 @@ from fuseserve.frontend.output import Delta, OutputState
 from fuseserve.gateway.errors import SchedulerRejectedError
 from fuseserve.gateway.metrics import GatewayMetrics
 from fuseserve.gateway.streams import ResponseRouter
-from fuseserve.messages import RequestMessage, TokenMessage
+from fuseserve.messages import RequestMessage
+from fuseserve.types import TokenEvent
 
 
 class ClientDisconnected(Exception):
@@ -49,21 +50,6 @@ class SequenceState(OutputState):
         self.echo: str | None = None  # completions' echo: the prompt's text, shown before the output
         self.echo_only = False  # echo with max_tokens 0: the prompt only (its one generated token hidden)
 
-    def apply_message(self, ev: TokenMessage, delta: Delta) -> bool:
-        """Add one event of the response stream to ``delta`` (see ``OutputState.apply``)."""
-        return self.apply(
-            delta,
-            ev.token_id,
-            ev.logprob,
-            ev.top_logprobs,
-            ev.hidden,
-            ev.finish_reason,
-            ev.index,
-            ev.error,
-            ev.prompt_logprobs,
-            ev.cached_tokens if ev.index == 0 else None,
-        )
-
 
 class Generation:
     """The sequences of one HTTP request, sharing one event queue.
@@ -91,7 +77,7 @@ class Generation:
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self._by_seq = {s.seq_id: s for s in seqs}
-        self._queue: asyncio.Queue[TokenMessage] = asyncio.Queue()
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     @property
     def finished(self) -> bool:
@@ -169,7 +155,7 @@ class Generation:
         if self.error is not None:
             raise scheduler_error(self.error)
 
-    def _apply(self, events: list[TokenMessage]) -> dict[int, Delta]:
+    def _apply(self, events: list[TokenEvent]) -> dict[int, Delta]:
         now = time.monotonic()
         deltas: dict[int, Delta] = {}
         for ev in events:
@@ -177,7 +163,7 @@ class Generation:
             if seq is None or seq.finished:
                 continue
             delta = deltas.setdefault(seq.choice, Delta())
-            if seq.apply_message(ev, delta):
+            if seq.apply(ev, delta):
                 self.metrics.generation_tokens.inc()
                 if self.first_token_at is None:
                     self.first_token_at = now

@@ -1,7 +1,7 @@
 """The gateway's side of the Redis streams (``fuseserve.messages``): submit, abort, read responses.
 
 One background task reads this gateway's response stream (``responses_stream(gateway_id)``) with a
-blocking XREAD and hands each ``TokenMessage`` to the asyncio queue registered for its ``seq_id``;
+blocking XREAD and hands each ``TokenEvent`` to the asyncio queue registered for its ``seq_id``;
 events of unknown sequences (finished, aborted, or another gateway's restart leftovers) are dropped.
 A request registers its queues *before* it XADDs its sequences, so no event can arrive unrouted.
 
@@ -27,10 +27,10 @@ from fuseserve.messages import (
     SEQ_COUNTER,
     ControlMessage,
     RequestMessage,
-    TokenMessage,
     decode_events,
     responses_stream,
 )
+from fuseserve.types import FinishReason, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +218,18 @@ class ResponseRouter:
         queues, self._queues = self._queues, {}
         log.warning("failing %d sequences in flight: %s", len(queues), error["message"])
         for seq_id, queue in queues.items():
-            queue.put_nowait(TokenMessage(seq_id, error=dict(error), finish_reason="abort"))
+            queue.put_nowait(
+                TokenEvent(
+                    seq_id,
+                    None,
+                    FinishReason.ABORT,
+                    error=error["message"],
+                    error_status=int(error.get("status") or 500),
+                    error_type=error.get("type"),
+                )
+            )
 
-    def _dispatch(self, events: list[TokenMessage]) -> None:
+    def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
             queue = self._queues.get(ev.seq_id)
             if queue is not None:

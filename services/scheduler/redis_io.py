@@ -29,7 +29,6 @@ from functools import partial
 import redis
 
 from fuseserve import messages
-from fuseserve.scheduler.scheduler import TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -158,36 +157,6 @@ def setup_streams(r: redis.Redis) -> None:
             raise
 
 
-def _error_type(status: int) -> str:
-    return "service_unavailable" if status == 503 else "server_error"
-
-
-def token_wire(ev: TokenEvent) -> dict:
-    """The wire form of one token event: a ``fuseserve.messages.TokenMessage`` dict with the fields at
-    their default left out (``messages.decode_events`` fills them in). Built straight from the event:
-    a ``TokenMessage`` per token plus its ``to_wire`` cost the loop as much again."""
-    tok = ev.token
-    if tok is None:
-        wire: dict = {"seq_id": ev.seq_id} if ev.index == -1 else {"seq_id": ev.seq_id, "index": ev.index}
-    else:
-        wire = {"seq_id": ev.seq_id, "index": ev.index, "token_id": tok.token_id}
-        if tok.logprob is not None:
-            wire["logprob"] = tok.logprob
-        if tok.top_logprobs:
-            wire["top_logprobs"] = [[t.token_id, t.logprob] for t in tok.top_logprobs]
-    if ev.hidden:
-        wire["hidden"] = True
-    if ev.finish_reason is not None:
-        wire["finish_reason"] = ev.finish_reason.value
-    if ev.cached_tokens:
-        wire["cached_tokens"] = ev.cached_tokens
-    if ev.prompt_logprobs is not None:
-        wire["prompt_logprobs"] = messages.prompt_logprobs_to_wire(ev.prompt_logprobs)
-    if ev.error is not None:
-        wire["error"] = {"message": ev.error, "type": _error_type(ev.error_status), "status": ev.error_status}
-    return wire
-
-
 class LoopConnection:
     """A thread's own Redis connection, several commands per round trip: the service loop's (its
     writes: token events, acknowledgements; its periodic reads) and the heartbeat thread's.
@@ -223,7 +192,7 @@ class LoopConnection:
             return self._round_trip(commands)  # a Redis restart or an idle connection closed: once more
 
     def publish(self, by_gateway: dict[str, list], ack_ids: list[str] = ()) -> None:
-        """Send one ``XADD`` per gateway of its events (``TokenMessage``s or ``token_wire`` dicts),
+        """Send one ``XADD`` per gateway of its events (``TokenEvent``s or their ``to_wire`` dicts),
         then acknowledge (XACK) and delete (XDEL) the request entries ``ack_ids`` of finished
         sequences, after their last token is written; without waiting for the replies (pipelined).
 

@@ -134,7 +134,7 @@ class SchedulerService:
                 break
 
     def _add_requests(self, entries, taken_over: bool = False) -> None:
-        errors: dict[str, list[messages.TokenMessage]] = defaultdict(list)
+        errors: dict[str, list[TokenEvent]] = defaultdict(list)
         rejected = []
         for entry_id, fields in entries:
             if not fields:  # deleted while pending
@@ -149,10 +149,13 @@ class SchedulerService:
                 self.core.add_request(seq)
             except FuseServeError as e:
                 errors[msg.gateway_id].append(
-                    messages.TokenMessage(
+                    TokenEvent(
                         msg.seq_id,
-                        finish_reason="abort",
-                        error={"message": str(e), "type": e.error_type, "status": e.http_status},
+                        None,
+                        FinishReason.ABORT,
+                        error=str(e),
+                        error_status=e.http_status,
+                        error_type=e.error_type,
                     )
                 )
                 rejected.append(entry_id)
@@ -208,7 +211,7 @@ class SchedulerService:
             owner = self.owners.get(ev.seq_id)
             if owner is None:
                 continue
-            by_gateway[owner.gateway_id].append(redis_io.token_wire(ev))
+            by_gateway[owner.gateway_id].append(ev.to_wire())
             if ev.finish_reason is not None:
                 done.append(self.owners.pop(ev.seq_id).entry_id)
                 self.metrics.forget(ev.seq_id)
