@@ -34,6 +34,7 @@ def exported() -> dict[str, set[str]]:
     out = {}
     for service, registry in registries.items():
         out[service] = {fam.name + s for fam in registry.collect() for s in _SUFFIXES[fam.type]}
+    assert all(out.values()), {service: len(names) for service, names in out.items()}  # the checks need some
     return out
 
 

@@ -12,10 +12,10 @@ with finish_reason abort, and a failed step failing only its own requests.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from pipeline_harness import chat, in_thread, wait_all_free
+from stack_harness import wait_for
 
 from fuseserve.errors import (
     ContextLengthExceededError,
@@ -118,9 +118,7 @@ def test_close_aborts_pending_requests(tiny):
         target=lambda: box.update(r=tiny(ids, temperature=0.0, max_new_tokens=80, ignore_eos=True))
     )
     t.start()
-    deadline = time.monotonic() + 30
-    while tiny.scheduler.num_running == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: tiny.scheduler.num_running, 30, "the request running")
     tiny.close()
     t.join(30)
     assert not t.is_alive()

@@ -63,10 +63,13 @@ def test_stubs_import_from_package():
 
 def test_every_proto_field_is_commented():
     lines = (PROTO_DIR / "worker.proto").read_text().splitlines()
+    num_fields = 0
     for i, line in enumerate(lines):
         stripped = line.strip()
         if stripped.endswith(";") and "=" in stripped and not stripped.startswith(("syntax", "//")):
+            num_fields += 1
             assert lines[i - 1].strip().startswith("//"), f"uncommented field at line {i + 1}: {stripped}"
+    assert num_fields > 20, f"only {num_fields} fields found in worker.proto: the check read the wrong lines"
 
 
 def test_generate_sh_is_reproducible(tmp_path):
