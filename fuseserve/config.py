@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fuseserve.errors import InvalidParameterError
+from fuseserve.options import option
 
 if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: a simulated worker never does
     import torch
@@ -132,29 +133,36 @@ def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.d
     return table[name]
 
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The model of ``fuseserve.pipeline()``, ``fuseserve serve`` and every sub-command's ``--model``."""
+
+POLICIES = ("splitfuse", "prefill_first", "whole_prompt")
+"""Scheduling policies (``fuseserve.scheduler.policies``): Dynamic SplitFuse, vLLM v0's prefill-first,
+Orca's whole-prompt."""
+
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 """``auto``: flash-attn on SM80+ GPUs where it imports and fits, else Triton on CUDA; on CPU the C++
 operator (``cpu``), else the PyTorch reference (``torch``)."""
 
+_ALL = ("generate", "serve", "scheduler", "worker")
+_RUNNER = ("generate", "serve", "worker")  # the model runner's options
+_PLANNER = ("generate", "serve", "scheduler")  # the scheduler's alone
+_STACK = ("serve", "scheduler")
+
 
 @dataclass
 class EngineConfig:
-    """Knobs of one engine (pipeline) or one scheduler + its workers.
+    """Knobs of one engine (pipeline) or one scheduler + its workers: an option table
+    (``fuseserve.options``): each field is a ``pipeline()`` keyword, and the flag of the sub-commands
+    its ``commands`` name.
 
     token_budget: max tokens per forward pass (None → chosen by profiling the device).
     max_num_seqs: max sequences per pass.
-    block_size: tokens per KV-cache block.
     kv_cache_memory: bytes for K and V of all layers on one worker (None → a default by device).
-    watermark_blocks: blocks kept free at admission (SplitFuse rule 2).
-    max_preemptions: preemptions allowed per sequence before it may no longer be preempted.
-    policy: "splitfuse" | "prefill_first" | "whole_prompt".
+    block_size: tokens per KV-cache block.
+    policy: one of ``POLICIES``.
+    device, dtype: where and in what precision the workers run (``resolve_device``, ``parse_dtype``).
     attention_backend: one of ``ATTENTION_BACKENDS`` (the workers' attention kernels).
-    overlap: build and send each worker's next plan while its current pass runs (at most one plan
-        queued per worker); False runs one plan at a time per worker.
-    enable_prefix_caching: reuse the K/V of full blocks already computed for an equal prefix
-        (``services/scheduler/block_accounting.py``); ``--no-prefix-caching`` turns it off.
-    prefix_aware_placement: place a new sequence on the worker holding most of its prefix, among
-        the workers whose load is near the least (``Scheduler.place``); False: by load only.
     target_itl: inter-token latency to keep, seconds; with it (or ``target_prefill_rate``) each
         SplitFuse pass is sized from the measured latency curve (``fuseserve.scheduler.slo_budget``).
         None (and no prefill-rate target): the fixed ``token_budget``.
@@ -164,24 +172,107 @@ class EngineConfig:
         to be placed (multi-step scheduling, as vLLM v0's ``--num-scheduler-steps``; the worker
         feeds its own sampled tokens, ``services/worker/multi_pass.py``); 1 (default): one pass per
         plan.
+    tensor_parallel_size: ranks (processes) one worker or pipeline splits the model over
+        (``services/worker/tensor_parallel.py``).
+    overlap: build and send each worker's next plan while its current pass runs (at most one plan
+        queued per worker); False runs one plan at a time per worker.
+    enable_prefix_caching: reuse the K/V of full blocks already computed for an equal prefix
+        (``services/scheduler/block_accounting.py``); keyword ``prefix_caching``, flag
+        ``--no-prefix-caching``.
+    watermark_blocks: blocks kept free at admission (SplitFuse rule 2).
+    max_preemptions: preemptions allowed per sequence before it may no longer be preempted.
+    prefix_aware_placement: place a new sequence on the worker holding most of its prefix, among
+        the workers whose load is near the least (``Scheduler.place``); False: by load only.
     """
 
-    token_budget: int | None = None
-    max_num_seqs: int = 256
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
+    token_budget: int | None = option(
+        None,
+        "tokens per forward pass; default: chosen by profiling this device (cached)",
+        commands=_ALL,
+        help_for={"scheduler": "tokens per pass (default: each worker's own)"},
+    )
+    max_num_seqs: int = option(
+        256,
+        "sequences per forward pass (default: %(default)s)",
+        commands=_ALL,
+        help_for={"scheduler": "sequences per pass (default: %(default)s)"},
+    )
+    kv_cache_memory: int | str | None = option(
+        None,
+        "KV cache size, bytes or e.g. 512MiB, 2GiB (default: 1GiB on CPU, 85%% of free GPU memory)",
+        commands=_RUNNER,
+    )
+    block_size: int = option(
+        16,
+        "tokens per KV-cache block (default: %(default)s)",
+        commands=_ALL,
+        help_for={"scheduler": "tokens per KV block (must match the workers)"},
+    )
+    policy: str = option(
+        "splitfuse",
+        "scheduling policy (default: %(default)s)",
+        commands=_ALL,
+        help_for={"scheduler": None},
+        choices=POLICIES,
+    )
+    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda if available)", commands=_RUNNER)
+    dtype: str | None = option(
+        None,
+        "auto, float32, bfloat16, float16 (default: auto = bf16 on GPUs and on CPUs with "
+        "AVX512-BF16/AMX, else float32); logits and sampling are fp32 whatever the dtype",
+        commands=_RUNNER,
+    )
+    attention_backend: str = option(
+        "auto",
+        "attention kernels: flash-attn (SM80+ GPU), triton (GPU), torch (reference, the CPU path); "
+        "auto picks the first that fits this device (default: %(default)s)",
+        commands=_RUNNER,
+        choices=ATTENTION_BACKENDS,
+    )
+    target_itl: float | None = option(
+        None,
+        "inter-token latency to keep: each SplitFuse pass is sized from the measured latency "
+        "curve to stay within it (default: off, the fixed token budget)",
+        commands=_PLANNER,
+        metavar="SECONDS",
+    )
+    target_prefill_rate: float | None = option(
+        None,
+        "TTFT target = prompt tokens / this rate; prompts run earliest deadline first and "
+        "passes grow (within --target-itl) as deadlines need (default: off)",
+        commands=_PLANNER,
+        metavar="TOKENS_PER_S",
+    )
+    decode_passes: int = option(
+        1,
+        "decode passes per plan when a worker's pass holds decodes only and no request waits: "
+        "one round trip for K tokens per sequence (default: %(default)s)",
+        commands=_PLANNER,
+        metavar="K",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "ranks (processes) per worker (default: %(default)s)",
+        commands=("serve", "worker"),
+        help_for={"worker": "ranks (processes) this worker runs as (default: %(default)s)"},
+    )
+    overlap: bool = option(
+        True,
+        "the scheduler sends a worker its next plan only after its current result (default: overlap)",
+        commands=_STACK,
+        help_for={
+            "scheduler": "send a worker its next plan only after its current result (default: overlap)"
+        },
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        "compute every prompt from its first token (default: reuse the KV of cached prefixes)",
+        commands=_STACK,
+        name="prefix_caching",
+    )
     watermark_blocks: int = 1
     max_preemptions: int = 4
-    policy: str = "splitfuse"
-    overlap: bool = True
-    device: str | None = None
-    dtype: str | None = None
-    attention_backend: str = "auto"
-    enable_prefix_caching: bool = True
     prefix_aware_placement: bool = True
-    target_itl: float | None = None
-    target_prefill_rate: float | None = None
-    decode_passes: int = 1
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` for an out-of-range field."""
@@ -191,8 +282,8 @@ class EngineConfig:
             raise InvalidParameterError("max_num_seqs", self.max_num_seqs, ">= 1")
         if self.block_size < 1:
             raise InvalidParameterError("block_size", self.block_size, ">= 1")
-        if self.policy not in ("splitfuse", "prefill_first", "whole_prompt"):
-            raise InvalidParameterError("policy", self.policy, "splitfuse, prefill_first, whole_prompt")
+        if self.policy not in POLICIES:
+            raise InvalidParameterError("policy", self.policy, ", ".join(POLICIES))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidParameterError(
                 "attention_backend", self.attention_backend, ", ".join(ATTENTION_BACKENDS)
@@ -201,8 +292,10 @@ class EngineConfig:
             raise InvalidParameterError("watermark_blocks", self.watermark_blocks, ">= 0")
         if self.max_preemptions < 0:
             raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
-        if not isinstance(self.decode_passes, int) or self.decode_passes < 1:
-            raise InvalidParameterError("decode_passes", self.decode_passes, "an integer >= 1")
+        for name in ("decode_passes", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(name, value, "an integer >= 1")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
         for name in ("target_itl", "target_prefill_rate"):

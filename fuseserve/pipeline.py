@@ -21,7 +21,7 @@ import types
 import weakref
 from collections.abc import Iterator
 
-from fuseserve.config import EngineConfig
+from fuseserve.config import DEFAULT_MODEL, EngineConfig
 from fuseserve.errors import FuseServeError
 from fuseserve.frontend import Delta, OutputState, PromptEncoder, as_batch
 from fuseserve.frontend.model_info import (
@@ -31,6 +31,7 @@ from fuseserve.frontend.model_info import (
     read_chat_template,
 )
 from fuseserve.model_source import resolve_model
+from fuseserve.options import from_keywords
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.engine_core import EngineCore
@@ -75,63 +76,31 @@ class Pipeline:
         self,
         model: str,
         *,
-        token_budget: int | None = None,
-        max_num_seqs: int = 256,
-        kv_cache_memory: int | str | None = None,
-        policy: str = "splitfuse",
-        block_size: int = 16,
-        device: str | None = None,
-        dtype: str | None = None,
-        attention_backend: str = "auto",
         cache_dir: str | None = None,
         progress: bool = True,
-        overlap: bool = True,
-        prefix_caching: bool = True,
-        target_itl: float | None = None,
-        target_prefill_rate: float | None = None,
-        decode_passes: int = 1,
         tokenizer: str | None = None,
         chat_template: str | None = None,
         max_model_len: int | None = None,
-        tensor_parallel_size: int = 1,
+        **engine,
     ):
-        self.config = EngineConfig(
-            token_budget=token_budget,
-            max_num_seqs=max_num_seqs,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            policy=policy,
-            overlap=overlap,
-            device=device,
-            dtype=dtype,
-            attention_backend=attention_backend,
-            enable_prefix_caching=prefix_caching,
-            target_itl=target_itl,
-            target_prefill_rate=target_prefill_rate,
-            decode_passes=decode_passes,
-        )
+        self.config = from_keywords(EngineConfig, engine, "pipeline keyword")  # EngineConfig's options
         self.config.validate()
         self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
         context = context_length(self.source.config, max_model_len)  # raises before anything loads
         self.tokenizer = load_tokenizer(self.source, tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
+        tp = self.config.tensor_parallel_size
         self.runner = load_runner(  # with tensor_parallel_size > 1: ranks 1.. in processes of their own
             self.source.path,
             self.source.config,
             self.eos_token_ids,
             self.config,
-            tensor_parallel_size,
-            threads=max(1, (os.cpu_count() or 1) // tensor_parallel_size)
-            if tensor_parallel_size > 1
-            else None,
+            tp,
+            threads=max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None,
             progress=progress,
         )
+        self.token_budget, latency_prior = self._token_budget(cache_dir)
         info = self.runner.info
-        slo = target_itl is not None or target_prefill_rate is not None
-        curve = None  # the start-up profile: the knee, and with targets the latency prior
-        if token_budget is None or slo:
-            curve = profile_curve(self.runner, str(self.source.path), cache_dir)
-        self.token_budget = token_budget or knee(curve)
         self.max_model_len = min(info.max_model_len, context)
         self.encoder = PromptEncoder(
             self.tokenizer, self.runner.vocab_size, self.max_model_len, read_chat_template(chat_template)
@@ -146,7 +115,7 @@ class Pipeline:
             info.block_size,
             info.max_model_len,
             self.token_budget,
-            latency_prior=curve_prior(curve) if slo else None,
+            latency_prior=latency_prior,
         )
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
@@ -156,6 +125,16 @@ class Pipeline:
         self._thread = threading.Thread(target=self._engine, name="fuseserve-engine", daemon=True)
         self._thread.start()
         _LIVE.add(self)
+
+    def _token_budget(self, cache_dir: str | None) -> tuple[int, object]:
+        """The token budget (the given one, else the knee of this device's profiled latency curve,
+        cached) and, with latency targets, the latency prior from the same profile (else None)."""
+        config = self.config
+        slo = config.target_itl is not None or config.target_prefill_rate is not None
+        curve = None
+        if config.token_budget is None or slo:
+            curve = profile_curve(self.runner, str(self.source.path), cache_dir)
+        return config.token_budget or knee(curve), curve_prior(curve) if slo else None
 
     @property
     def name(self) -> str:
@@ -362,45 +341,33 @@ def _register_exit_hook() -> None:
 _register_exit_hook()
 
 
-def pipeline(
-    model: str = "smollm2-135m-instruct",
-    *,
-    token_budget: int | None = None,
-    max_num_seqs: int = 256,
-    kv_cache_memory: int | str | None = None,
-    policy: str = "splitfuse",
-    **kwargs,
-) -> Pipeline:
+def pipeline(model: str = DEFAULT_MODEL, **kwargs) -> Pipeline:
     """Load ``model`` (alias, Hugging Face directory or .gguf file) for in-process generation.
 
-    token_budget: tokens per forward pass; None → chosen by profiling this device (cached).
-    max_num_seqs: sequences per pass. kv_cache_memory: bytes or "512MiB"/"2GiB" (default: 1 GiB
-    on CPU, 85% of free GPU memory on CUDA). policy: "splitfuse", "prefill_first", "whole_prompt".
-    Other keywords: block_size, device, dtype, attention_backend ("auto", "torch", "cpu", "triton",
-    "flash-attn"), cache_dir, progress, overlap (build the next pass while the current one runs;
-    default True), target_itl (seconds) and target_prefill_rate (prompt tokens/s; TTFT target =
-    prompt tokens / rate): latency targets that size each SplitFuse pass from this device's measured
-    latency curve (``docs/architecture.md``, "SLO-driven token budget"); default None (fixed budget);
-    decode_passes (decode passes per plan when a pass holds decodes only and no request waits,
-    ``docs/architecture.md``, "Multi-step decoding"; default 1);
-    prefix_caching (reuse the KV of prompt prefixes already computed; default True);
+    Engine keywords: every ``fuseserve.config.EngineConfig`` option by its name (its docstring says
+    each; ``fuseserve generate``'s flags are these): token_budget (tokens per forward pass; None →
+    chosen by profiling this device, cached), max_num_seqs (sequences per pass), kv_cache_memory
+    (bytes or "512MiB"/"2GiB"; default: 1 GiB on CPU, 85% of free GPU memory on CUDA), block_size,
+    policy (``POLICIES``: "splitfuse", "prefill_first", "whole_prompt"), device, dtype,
+    attention_backend (``ATTENTION_BACKENDS``), target_itl (seconds) and target_prefill_rate (prompt
+    tokens/s; TTFT target = prompt tokens / rate): latency targets that size each SplitFuse pass from
+    this device's measured latency curve (``docs/architecture.md``, "SLO-driven token budget");
+    default None (fixed budget); decode_passes (decode passes per plan when a pass holds decodes only
+    and no request waits, ``docs/architecture.md``, "Multi-step decoding"; default 1);
     tensor_parallel_size (ranks the model is split over, as ``fuseserve worker
     --tensor-parallel-size``: ranks 1.. run in processes of their own, gloo on CPU, NCCL on CUDA;
-    default 1); tokenizer (a
-    tokenizer directory replacing the model's; without any tokenizer only
-    token-id prompts work), chat_template (a Jinja file replacing the model's), max_model_len
-    (context length in tokens, at most the model's). Sampling defaults come from the model's
-    ``generation_config.json`` (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens).
-    Raises ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs.
+    default 1); overlap (build the next pass while the current one runs; default True);
+    prefix_caching (reuse the KV of prompt prefixes already computed; default True);
+    watermark_blocks, max_preemptions, prefix_aware_placement. Front end: tokenizer (a tokenizer
+    directory replacing the model's; without any tokenizer only token-id prompts work),
+    chat_template (a Jinja file replacing the model's), max_model_len (context length in tokens, at
+    most the model's). cache_dir: where converted models and profiles are cached; progress: show
+    loading progress. Sampling defaults come from the model's ``generation_config.json``
+    (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens). Raises
+    ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs and
+    ``TypeError`` for an unknown keyword.
     """
-    return Pipeline(
-        model,
-        token_budget=token_budget,
-        max_num_seqs=max_num_seqs,
-        kv_cache_memory=kv_cache_memory,
-        policy=policy,
-        **kwargs,
-    )
+    return Pipeline(model, **kwargs)
 
 
 class _CallableModule(types.ModuleType):
