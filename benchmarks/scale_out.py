@@ -35,7 +35,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -195,7 +195,7 @@ class Bench:
         self.generation += 1
         ids = [f"g{self.generation}-w{i}" for i in range(len(slowdowns))]
         for i, (wid, f) in enumerate(zip(ids, slowdowns, strict=True)):
-            opts = serve_args(**{**vars(self.serve), "simulate_slowdown": str(f)})
+            opts = replace(self.serve, simulate_slowdown=str(f))
             self.stack.spawn(wid, worker_argv(opts, self.stack.redis.url, i, worker_id=wid))
         self.workers = self._probes(ids, slowdowns)
 

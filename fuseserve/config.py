@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -309,8 +309,16 @@ API_KEY_ENV = "FUSESERVE_API_KEY"
 
 
 def _limit(default: int | None, flag: str, status: int, help: str):
-    """A field of ``RequestLimits``: its default, its gateway flag and the HTTP status of a refusal."""
-    return field(default=default, metadata={"flag": flag, "status": status, "help": help})
+    """A field of ``RequestLimits``: its default, its flag (``serve`` and ``gateway``) and the HTTP
+    status of a refusal."""
+    shown = "none: the context length" if default is None else "%(default)s"
+    return option(
+        default,
+        f"{help}; refused with {status} (default: {shown})",
+        commands=("serve", "gateway"),
+        flag=flag,
+        metadata={"status": status},
+    )
 
 
 @dataclass

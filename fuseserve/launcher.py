@@ -10,29 +10,30 @@ children get it (and the gateway its API key, with ``--api-key``) through their 
 named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker
 --simulate``) and the gateway still serves ``--model``'s tokenizer. Killed outright (SIGKILL), it
 takes its children with it (``fuseserve.parent_death``): left running, they would keep the ports.
-It takes parsed options from its caller (``fuseserve.cli``: the command, ``serve_args``,
-``fuseserve.serve()``) and imports no CLI.
+It takes a ``ServeOptions`` (``fuseserve/serve_options.py``) from its caller (``fuseserve.cli``: the
+command, ``serve_args``, ``fuseserve.serve()``) and imports no CLI; each child gets the options its
+sub-command offers (``fuseserve.options.to_argv``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import fields
 
 import httpx
 
-from fuseserve.config import API_KEY_ENV, RequestLimits
+from fuseserve.config import API_KEY_ENV
 from fuseserve.errors import FuseServeError, InvalidParameterError
 from fuseserve.messages import DRAIN_TIMEOUT_S
 from fuseserve.model_source import resolve_model
+from fuseserve.options import to_argv, to_env
 from fuseserve.parent_death import PARENT_PID_ENV
 from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, launch_redis
+from fuseserve.serve_options import ServeOptions
 
 READY_TIMEOUT_S = 600.0
 MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before the stack gives up
@@ -132,12 +133,12 @@ class Stack:
             self.redis.stop()
 
 
-def slowdown_of(args: argparse.Namespace, index: int) -> float:
+def slowdown_of(options: ServeOptions, index: int) -> float:
     """Worker ``index``'s factor from ``--simulate-slowdown F[,F...]`` (a list is cycled over workers).
 
     Raises ``InvalidParameterError`` for a factor that is not a number > 0.
     """
-    text = str(getattr(args, "simulate_slowdown", None) or "1")
+    text = str(options.simulate_slowdown)
     try:
         factors = [float(f) for f in text.split(",")]
     except ValueError:
@@ -147,118 +148,50 @@ def slowdown_of(args: argparse.Namespace, index: int) -> float:
     return factors[index % len(factors)]
 
 
-def _engine_argv(args: argparse.Namespace) -> list[str]:
-    """Options the scheduler and the workers share."""
-    engine = ["--block-size", str(args.block_size), "--policy", args.policy]
-    engine += ["--drain-timeout", f"{args.drain_timeout:g}"]
-    engine += ["--max-num-seqs", str(args.max_num_seqs)]
-    if args.token_budget:
-        engine += ["--token-budget", str(args.token_budget)]
-    return engine
+def scheduler_argv(options: ServeOptions, redis_url: str) -> list[str]:
+    """The ``fuseserve scheduler`` command line of a local stack: the options it offers (``to_argv``)."""
+    argv = ["--log-level", options.log_level, "scheduler", "--redis-url", redis_url, "--metrics-port", "0"]
+    return argv + to_argv(options, "scheduler")
 
 
-def _slo_argv(args: argparse.Namespace) -> list[str]:
-    """The scheduler's latency targets (``--target-itl``, ``--target-prefill-rate``), when given."""
-    argv = []
-    for name in ("target_itl", "target_prefill_rate"):
-        value = getattr(args, name, None)
-        if value is not None:
-            argv += ["--" + name.replace("_", "-"), str(value)]
-    if getattr(args, "decode_passes", 1) != 1:  # multi-step decoding, also a scheduler option
-        argv += ["--decode-passes", str(args.decode_passes)]
-    return argv
+def worker_argv(options: ServeOptions, redis_url: str, index: int, worker_id: str | None = None) -> list[str]:
+    """The ``fuseserve worker`` command line of worker ``index`` of a local stack: its address, the
+    options it offers (``to_argv``), its torch threads (cores / workers unless ``--threads``), or with
+    ``--simulate`` its slowdown factor."""
+    argv = ["--log-level", options.log_level, "worker", "--redis-url", redis_url]
+    argv += ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+    argv += ["--worker-id", worker_id or f"worker-{index}", *to_argv(options, "worker")]
+    if options.simulate:
+        return argv + ["--simulate-slowdown", str(slowdown_of(options, index))]
+    threads = options.threads or max(1, (os.cpu_count() or 1) // options.workers)
+    return argv + ["--threads", str(threads)]
 
 
-def worker_argv(
-    args: argparse.Namespace, redis_url: str, index: int, worker_id: str | None = None
-) -> list[str]:
-    """The ``fuseserve worker`` command line of worker ``index`` of a local stack (``args``: serve options)."""
-    worker = [
-        "--log-level",
-        args.log_level,
-        "worker",
-        "--redis-url",
-        redis_url,
-        "--model",
-        args.model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--worker-id",
-        worker_id or f"worker-{index}",
-        *_engine_argv(args),
-    ]
-    if args.kv_cache_memory:
-        worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    if getattr(args, "simulate", None):
-        return worker + ["--simulate", args.simulate, "--simulate-slowdown", str(slowdown_of(args, index))]
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
-    worker += ["--threads", str(threads)]
-    if args.device:
-        worker += ["--device", args.device]
-    if args.dtype:
-        worker += ["--dtype", args.dtype]
-    if getattr(args, "tensor_parallel_size", 1) > 1:
-        worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-    return worker + ["--attention-backend", args.attention_backend]
-
-
-def _front_end_argv(args: argparse.Namespace) -> list[str]:
-    """The gateway's front-end options of ``serve`` (served names, context, chat template, tokenizer)."""
-    argv: list[str] = []
-    if getattr(args, "served_model_name", None):
-        argv += ["--served-model-name", *args.served_model_name]
-    for name in ("max_model_len", "chat_template", "tokenizer"):
-        value = getattr(args, name, None)
-        if value is not None:
-            argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv
-
-
-def gateway_argv(args: argparse.Namespace, redis_url: str) -> tuple[list[str], dict[str, str]]:
+def gateway_argv(options: ServeOptions, redis_url: str) -> tuple[list[str], dict[str, str]]:
     """The ``fuseserve gateway`` command line of a local stack and its secret environment (the API key)."""
-    argv = ["--log-level", args.log_level, "gateway", "--redis-url", redis_url, "--model", args.model]
-    argv += ["--host", args.host, "--port", str(args.port)]
-    if getattr(args, "api_key_file", None):
-        argv += ["--api-key-file", args.api_key_file]
-    if getattr(args, "protect_metrics", False):
-        argv.append("--protect-metrics")
-    argv += _front_end_argv(args)
-    for f in fields(RequestLimits):
-        value = getattr(args, f.name, None)
-        if value is not None:
-            argv += [f.metadata["flag"], str(value)]
-    env = {API_KEY_ENV: args.api_key} if getattr(args, "api_key", None) else {}
-    return argv, env
+    argv = ["--log-level", options.log_level, "gateway", "--redis-url", redis_url]
+    return argv + to_argv(options, "gateway"), to_env(options, "gateway")
 
 
-def start_stack(args: argparse.Namespace, follow_parent: bool = False) -> tuple[Stack, str]:
+def start_stack(options: ServeOptions, follow_parent: bool = False) -> tuple[Stack, str]:
     """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy.
     ``follow_parent``: every process started stops when this one dies (``Stack``)."""
-    _check_port_free(args.host, args.port)
-    resolve_model(args.model)  # convert a GGUF once here, before the children race for it
-    slowdown_of(args, 0)  # a bad --simulate-slowdown fails here, not in every worker
-    stack = Stack(args.drain_timeout, follow_parent=follow_parent)
+    _check_port_free(options.host, options.port)
+    resolve_model(options.model)  # convert a GGUF once here, before the children race for it
+    slowdown_of(options, 0)  # a bad --simulate-slowdown fails here, not in every worker
+    stack = Stack(options.drain_timeout, follow_parent=follow_parent)
     try:
         stack.redis = launch_redis(follow_parent=follow_parent)
         url = stack.redis.address  # the password travels in the environment (Stack.spawn)
-        common = ["--log-level", args.log_level]
-        overlap = [] if getattr(args, "overlap", True) else ["--no-overlap"]
-        if not getattr(args, "prefix_caching", True):
-            overlap.append("--no-prefix-caching")
-        num_schedulers = getattr(args, "schedulers", 1)
-        for i in range(num_schedulers):
-            name = "scheduler" if num_schedulers == 1 else f"scheduler-{i}"
-            argv = ["scheduler", "--redis-url", url, "--metrics-port", "0", *_engine_argv(args), *overlap]
-            stack.spawn(name, [*common, *argv, *_slo_argv(args)])
-        for i in range(args.workers):
-            stack.spawn(f"worker-{i}", worker_argv(args, url, i))
-        stack.spawn("gateway", *gateway_argv(args, url))
-        base = f"http://{args.host}:{args.port}"
-        wait_healthy(stack, base, args.workers)
+        for i in range(options.schedulers):
+            stack.spawn(
+                "scheduler" if options.schedulers == 1 else f"scheduler-{i}", scheduler_argv(options, url)
+            )
+        for i in range(options.workers):
+            stack.spawn(f"worker-{i}", worker_argv(options, url, i))
+        stack.spawn("gateway", *gateway_argv(options, url))
+        base = f"http://{options.host}:{options.port}"
+        wait_healthy(stack, base, options.workers)
         return stack, base
     except BaseException:
         stack.stop()
@@ -330,9 +263,9 @@ def live_view_command(stack: Stack, base: str) -> str:
     return top
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(options: ServeOptions) -> int:
     """Entry point of ``fuseserve serve``; its children stop with it, even when it is killed."""
-    stack, base = start_stack(args, follow_parent=True)
+    stack, base = start_stack(options, follow_parent=True)
     stop = {"now": False}
 
     def handler(*_):
@@ -343,22 +276,20 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     simulated = ""
-    if getattr(args, "simulate", None):
-        factors = ",".join(f"{slowdown_of(args, i):g}" for i in range(args.workers))
-        simulated = f" (SIMULATED: latency preset {args.simulate}, slowdown {factors})"
-    keyed = (
-        getattr(args, "api_key", None) or getattr(args, "api_key_file", None) or os.environ.get(API_KEY_ENV)
-    )
+    if options.simulate:
+        factors = ",".join(f"{slowdown_of(options, i):g}" for i in range(options.workers))
+        simulated = f" (SIMULATED: latency preset {options.simulate}, slowdown {factors})"
+    keyed = options.api_key or options.api_key_file or os.environ.get(API_KEY_ENV)
     auth = ", API key required" if keyed else ", no API key needed"
-    if not keyed and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not keyed and options.host not in ("127.0.0.1", "localhost", "::1"):
         print(
-            f"fuseserve: warning: serving on {args.host} without an API key; anyone who can reach "
-            f"port {args.port} can use it (set {API_KEY_ENV} or --api-key-file)",
+            f"fuseserve: warning: serving on {options.host} without an API key; anyone who can reach "
+            f"port {options.port} can use it (set {API_KEY_ENV} or --api-key-file)",
             file=sys.stderr,
             flush=True,
         )
     print(
-        f"fuseserve is serving {args.model} with {args.workers} worker(s){simulated} at {base}/v1 "
+        f"fuseserve is serving {options.model} with {options.workers} worker(s){simulated} at {base}/v1 "
         f"(OpenAI-compatible{auth}; Ctrl-C stops)",
         flush=True,
     )

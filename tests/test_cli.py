@@ -54,8 +54,8 @@ def test_missing_model_is_one_clear_error(tmp_path):
 
 def test_serve_model_positional_and_front_end_options_reach_the_gateway():
     from fuseserve.cli import build_parser
-    from fuseserve.launcher import _front_end_argv
-    from fuseserve.service_cli import _with_model
+    from fuseserve.launcher import gateway_argv
+    from fuseserve.service_cli import serve_options
 
     argv = [
         "serve",
@@ -66,11 +66,16 @@ def test_serve_model_positional_and_front_end_options_reach_the_gateway():
         "--max-model-len",
         "512",
     ]
-    a = _with_model(build_parser().parse_args([*argv, "--chat-template", "t.jinja", "--tokenizer", "tok"]))
-    assert a.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert _front_end_argv(a) == [
+    options = serve_options(
+        build_parser().parse_args([*argv, "--chat-template", "t.jinja", "--tokenizer", "tok"])
+    )
+    assert options.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    child, _ = gateway_argv(options, "redis://x")
+    assert child[child.index("--served-model-name") :][:9] == [
         "--served-model-name", "a", "b", "--max-model-len", "512", "--chat-template", "t.jinja", "--tokenizer", "tok",
     ]  # fmt: skip
-    gw = build_parser().parse_args(["gateway", "--redis-url", "redis://x", *_front_end_argv(a)])
+    gw = build_parser().parse_args(child)
+    assert gw.model == options.model
     assert gw.served_model_name == ["a", "b"] and gw.max_model_len == 512
-    assert _with_model(build_parser().parse_args(["serve"])).model == "smollm2-135m-instruct"
+    assert (gw.chat_template, gw.tokenizer) == ("t.jinja", "tok")
+    assert serve_options(build_parser().parse_args(["serve"])).model == "smollm2-135m-instruct"

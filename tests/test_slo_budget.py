@@ -165,10 +165,11 @@ def test_without_targets_plans_are_exactly_the_fixed_budget_ones(policy):
 
 def test_serve_passes_targets_to_the_scheduler():
     from fuseserve.cli import build_parser
-    from fuseserve.launcher import _slo_argv
+    from fuseserve.launcher import scheduler_argv
+    from fuseserve.service_cli import serve_options
 
     parser = build_parser()
-    serve = parser.parse_args(["serve", "--target-itl", "0.5", "--target-prefill-rate", "100"])
-    sched = parser.parse_args(["scheduler", "--redis-url", "redis://x:1", *_slo_argv(serve)])
+    serve = serve_options(parser.parse_args(["serve", "--target-itl", "0.5", "--target-prefill-rate", "100"]))
+    sched = parser.parse_args(scheduler_argv(serve, "redis://x:1"))
     assert (sched.target_itl, sched.target_prefill_rate) == (0.5, 100.0)
-    assert _slo_argv(parser.parse_args(["serve"])) == []
+    assert "--target-itl" not in scheduler_argv(serve_options(parser.parse_args(["serve"])), "redis://x:1")
