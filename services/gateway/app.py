@@ -24,7 +24,6 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -34,14 +33,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.requests import ClientDisconnect
 
-from fuseserve.config import RequestLimits
 from fuseserve.errors import FuseServeError, InvalidRequestError
 from fuseserve.frontend.constraints import rendered_tools, tool_parser_factory
 from fuseserve.frontend.model_info import build_encoder, generation_defaults, load_tokenizer
 from fuseserve.frontend.openai_params import check_n, sampling_params
 from fuseserve.gateway import utilities
 from fuseserve.gateway.admission import Admission
-from fuseserve.gateway.auth import ApiKeys
 from fuseserve.gateway.errors import (
     ModelNotFoundError,
     RequestTooLargeError,
@@ -60,55 +57,14 @@ from fuseserve.gateway.protocol import (
     field_policy,
 )
 from fuseserve.gateway.render import Renderer, sse
+from fuseserve.gateway.settings import GatewaySettings, settings_from_args
 from fuseserve.gateway.streams import ResponseRouter
-from fuseserve.messages import SCHEDULER_GRACE_S
-from fuseserve.model_source import ModelSource, resolve_model
+from fuseserve.model_source import resolve_model
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 IGNORED_FIELDS_HEADER = "x-fuseserve-ignored-fields"
 """Response header naming the unknown request fields that were ignored (comma-separated)."""
-
-
-@dataclass
-class GatewaySettings:
-    """What a gateway needs.
-
-    redis_url: the Redis of the stack. model: alias, directory or .gguf (only its tokenizer and
-    config are loaded). served_model_name: the name(s) clients send as ``model`` (default: the
-    model's name; the first one is listed first). max_queue: answer 429 while the scheduler has this
-    many sequences waiting. limits: what one request may cost (``fuseserve.config.RequestLimits``;
-    ``gateway/limits.py``). api_keys: accepted keys (None: no key needed; ``gateway/auth.py``).
-    protect_metrics: ``/metrics`` needs a key too. max_model_len: context length in tokens
-    (default: ``config.max_position_embeddings``; at most that). chat_template: a Jinja file replacing
-    the model's template. tokenizer: a tokenizer directory replacing the model's (without either,
-    only token-id prompts are served). admission_cache_s: seconds the worker / queue
-    snapshot is reused. disconnect_poll_s: seconds between client-disconnect checks while waiting.
-    redis_max_connections: pooled Redis connections shared by requests. redis_pool_timeout_s:
-    seconds a request waits for a free one before its 503. scheduler_grace_s: seconds without a
-    scheduler heartbeat before requests in flight fail (503). scheduler_check_s: seconds between
-    heartbeat checks. source: an already resolved model (skips resolution; tests).
-    """
-
-    redis_url: str
-    model: str = DEFAULT_MODEL
-    served_model_name: str | list[str] | None = None
-    max_queue: int = 1024
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    api_keys: ApiKeys | None = None
-    protect_metrics: bool = False
-    max_model_len: int | None = None
-    chat_template: str | None = None
-    tokenizer: str | None = None
-    cache_dir: str | None = None
-    admission_cache_s: float = 0.25
-    disconnect_poll_s: float = 0.25
-    redis_max_connections: int = 64
-    redis_pool_timeout_s: float = 5.0
-    scheduler_grace_s: float = SCHEDULER_GRACE_S
-    scheduler_check_s: float = 0.5
-    source: ModelSource | None = None
 
 
 class Gateway:
@@ -398,52 +354,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
-def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    """Settings from the ``fuseserve gateway`` arguments (missing attributes take their defaults)."""
-    return GatewaySettings(
-        redis_url=getattr(args, "redis_url", None) or "redis://127.0.0.1:6379/0",
-        model=getattr(args, "model", None) or DEFAULT_MODEL,
-        served_model_name=getattr(args, "served_model_name", None),
-        max_queue=int(getattr(args, "max_queue", None) or 1024),
-        max_model_len=getattr(args, "max_model_len", None),
-        chat_template=getattr(args, "chat_template", None),
-        tokenizer=getattr(args, "tokenizer", None),
-        cache_dir=getattr(args, "cache_dir", None),
-        limits=RequestLimits(
-            **{
-                f.name: getattr(args, f.name)
-                for f in fields(RequestLimits)
-                if getattr(args, f.name, None) is not None
-            }
-        ),
-        api_keys=ApiKeys.load(
-            [getattr(args, "api_key", None) or ""], key_file=getattr(args, "api_key_file", None)
-        ),
-        protect_metrics=bool(getattr(args, "protect_metrics", False)),
-    )
-
-
 def run_gateway(args: argparse.Namespace) -> int:
     """``fuseserve gateway``: serve the app with uvicorn until interrupted; returns the exit code.
 
-    Reads ``args.redis_url``, ``model``, ``host`` (default 127.0.0.1), ``port`` (8000), ``max_queue``,
-    ``log_level`` (info), and optionally ``served_model_name`` (one or more), ``max_model_len``,
-    ``chat_template``, ``tokenizer``, ``cache_dir``, ``api_key``, ``api_key_file``,
-    ``protect_metrics`` and the ``RequestLimits`` fields.
+    ``args``: the parsed ``fuseserve gateway`` flags (``settings_from_args``; ``host``, ``port``,
+    ``log_level``).
     """
     import uvicorn
 
-    level = str(getattr(args, "log_level", None) or "info").lower()
+    level = args.log_level.lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = create_app(settings_from_args(args))
     except FuseServeError as e:
         log.error("%s", e)
         return 1
-    host = getattr(args, "host", None) or "127.0.0.1"
-    port = int(getattr(args, "port", None) or 8000)
-    uvicorn.run(app, host=host, port=port, log_level=level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
     return 0
 
 
-__all__ = ["GatewaySettings", "create_app", "run_gateway"]
+__all__ = ["GatewaySettings", "create_app", "run_gateway", "settings_from_args"]

@@ -44,6 +44,7 @@ from fuseserve import messages
 from fuseserve.config import EngineConfig
 from fuseserve.drain import DrainSignal
 from fuseserve.errors import FuseServeError
+from fuseserve.options import from_cli_args
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler import drain, heartbeat, redis_io
 from fuseserve.scheduler.engine_core import EngineCore
@@ -382,22 +383,11 @@ class SchedulerService:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain
-    (``fuseserve.scheduler.drain``) and exit."""
-    config = EngineConfig(
-        token_budget=args.token_budget,
-        max_num_seqs=args.max_num_seqs,
-        policy=args.policy,
-        block_size=args.block_size,
-        overlap=getattr(args, "overlap", True),
-        enable_prefix_caching=getattr(args, "prefix_caching", True),
-        target_itl=getattr(args, "target_itl", None),
-        target_prefill_rate=getattr(args, "target_prefill_rate", None),
-        decode_passes=getattr(args, "decode_passes", 1),
-    )
-    service = SchedulerService(args.redis_url, config, metrics_port=getattr(args, "metrics_port", None))
+    """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain and exit."""
+    config = from_cli_args(EngineConfig, args)  # the engine options the scheduler offers
+    service = SchedulerService(args.redis_url, config, metrics_port=args.metrics_port)
     stop = threading.Event()
-    signals = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
+    signals = DrainSignal(args.drain_timeout).install()
     threading.Thread(target=drain.watch, args=(service, signals, stop), name="drain", daemon=True).start()
     print("fuseserve scheduler ready", flush=True)
     service.run(stop)

@@ -187,24 +187,18 @@ def model_runner(args: argparse.Namespace):
 
     from fuseserve.config import EngineConfig
     from fuseserve.model_source import resolve_model
+    from fuseserve.options import from_cli_args
     from fuseserve.worker.profiler import choose_token_budget
     from fuseserve.worker.tensor_parallel import load_runner
 
-    if getattr(args, "threads", None):
+    if args.threads:
         torch.set_num_threads(args.threads)
     source = resolve_model(args.model)
-    config = EngineConfig(
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-    )
-    tp_size = getattr(args, "tensor_parallel_size", 1) or 1
+    config = from_cli_args(EngineConfig, args)  # the engine options the worker offers
     runner = load_runner(
-        source.path, source.config, source.eos_token_ids(), config, tp_size, getattr(args, "threads", None)
+        source.path, source.config, source.eos_token_ids(), config, config.tensor_parallel_size, args.threads
     )
-    budget = args.token_budget or choose_token_budget(runner, str(source.path))
+    budget = config.token_budget or choose_token_budget(runner, str(source.path))
     return runner, source.name, budget
 
 
@@ -220,7 +214,7 @@ def simulated_runner(args: argparse.Namespace):
     from fuseserve.worker.sim_runner import SimulatedRunner
 
     model = get_preset(args.simulate)
-    slowdown = float(getattr(args, "simulate_slowdown", None) or 1.0)
+    slowdown = float(args.simulate_slowdown)
     if not slowdown > 0:
         raise InvalidParameterError("simulate_slowdown", slowdown, "> 0")
     num_blocks = None
@@ -245,22 +239,68 @@ def wait_drained(runner, drain: DrainSignal) -> int:
     return n
 
 
+class Registration:
+    """The worker's Redis record (``messages.WorkerRecord``): written every ``HEARTBEAT_S`` while it
+    serves, marked ``draining`` on the drain notice, deleted when it stops. One writer at a time, so
+    the drain notice is never overwritten by a heartbeat in flight."""
+
+    def __init__(self, redis_url: str, worker_id: str, record: messages.WorkerRecord):
+        import redis
+
+        self.r = redis.Redis.from_url(redis_url)
+        self._error = redis.RedisError
+        self.key = messages.worker_key(worker_id)
+        self.record = record
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+
+    def write(self) -> None:
+        with self._lock:
+            try:
+                self.r.set(self.key, self.record.encode(), ex=messages.WORKER_TTL_S)
+            except self._error as e:
+                log.warning("heartbeat failed: %s", e)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.is_set():
+            self.write()
+            self._stop.wait(messages.HEARTBEAT_S)
+
+    def start(self) -> None:
+        self._beat.start()
+
+    def drain(self) -> None:
+        """Say ``draining``: schedulers place no new sequence here."""
+        with self._lock:
+            self.record.draining = True
+        self.write()
+
+    def stop(self) -> None:
+        """Stop the heartbeat and delete the record."""
+        self._stop.set()
+        self._beat.join()
+        with self._lock:
+            try:
+                self.r.delete(self.key)
+            except self._error:
+                pass
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """Entry point of ``fuseserve worker``: serve until SIGTERM / SIGINT, then drain and exit."""
-    import redis
-
-    worker_id = getattr(args, "worker_id", None) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-    simulate = getattr(args, "simulate", None)
-    runner, model_name, budget = simulated_runner(args) if simulate else model_runner(args)
-    metrics_port = getattr(args, "metrics_port", None)
-    metrics = WorkerMetrics(worker_id, model_name, metrics_port, runner) if metrics_port is not None else None
+    worker_id = args.worker_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    runner, model_name, budget = simulated_runner(args) if args.simulate else model_runner(args)
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = WorkerMetrics(worker_id, model_name, args.metrics_port, runner)
 
     # a scheduler's Steps stream holds a thread while it lives (one, or two while a scheduler takes over)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=convert.GRPC_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, worker_id, model_name, metrics), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     server.start()
-    address = f"{getattr(args, 'advertise_host', None) or args.host}:{port}"
+    address = f"{args.advertise_host or args.host}:{port}"
     info = runner.info
     record = messages.WorkerRecord(
         worker_id,
@@ -274,24 +314,8 @@ def run_worker(args: argparse.Namespace) -> int:
         budget,
         metrics.port if metrics is not None else None,
     )
-    r = redis.Redis.from_url(args.redis_url)
-    stop = threading.Event()
-    register = threading.Lock()  # one writer of the record at a time (the drain notice must stick)
-
-    def write_record() -> None:
-        with register:
-            try:
-                r.set(messages.worker_key(worker_id), record.encode(), ex=messages.WORKER_TTL_S)
-            except redis.RedisError as e:
-                log.warning("heartbeat failed: %s", e)
-
-    def heartbeat() -> None:
-        while not stop.is_set():
-            write_record()
-            stop.wait(messages.HEARTBEAT_S)
-
-    beat = threading.Thread(target=heartbeat, name="heartbeat", daemon=True)
-    beat.start()
+    registration = Registration(args.redis_url, worker_id, record)
+    registration.start()
     log.info(
         "worker %s serving %s at %s (%d KV blocks, token budget %d%s)",
         worker_id,
@@ -299,23 +323,15 @@ def run_worker(args: argparse.Namespace) -> int:
         address,
         info.num_blocks,
         budget,
-        f", simulated {simulate} x{runner.slowdown:g}" if simulate else "",
+        f", simulated {args.simulate} x{runner.slowdown:g}" if args.simulate else "",
     )
     print(f"fuseserve worker {worker_id} ready at {address}", flush=True)
 
-    drain = DrainSignal(getattr(args, "drain_timeout", messages.DRAIN_TIMEOUT_S)).install()
+    drain = DrainSignal(args.drain_timeout).install()
     drain.wait_requested()
-    with register:
-        record.draining = True
-    write_record()
+    registration.drain()
     handed_back = wait_drained(runner, drain)
-    stop.set()
-    beat.join()
-    with register:
-        try:
-            r.delete(messages.worker_key(worker_id))
-        except redis.RedisError:
-            pass
+    registration.stop()
     server.stop(grace=2).wait()  # plans still arriving are refused: their sequences recompute elsewhere
     log.info("worker %s drained (%d sequences handed back)", worker_id, handed_back)
     if hasattr(runner, "close"):  # a tensor-parallel runner stops its other ranks
