@@ -1,7 +1,7 @@
 """The token-level stop rule, one pure function for the scheduler and the worker.
 
 ``check_stop`` is used by the scheduler's postprocess (``Scheduler.postprocess``), its multi-pass
-path (``fuseserve.scheduler.multi_pass.apply_passes``) and the worker's multi-pass loop
+path (``fuseserve.scheduler.result_applier.ResultApplier``) and the worker's multi-pass loop
 (``fuseserve.worker.multi_pass.run_passes``), so the three agree on when a sequence ends (vLLM's
 ``check_stop``, ``v1/core/sched/utils.py``). Stop strings are the front end's (``fuseserve/stop.py``).
 """

@@ -131,6 +131,15 @@ class SchedulerCounters:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    def take(self) -> SchedulerCounters:
+        """A copy of these counts, which start again from 0 (read and reset, in place: the managers
+        that count hold this object)."""
+        out = SchedulerCounters()
+        out.add(self)
+        for f in fields(self):
+            setattr(self, f.name, 0)
+        return out
+
 
 @dataclass
 class WorkerStats:

@@ -14,36 +14,33 @@ tokens (``services/worker/multi_pass.py``). Rules:
   short the plan takes fewer passes, down to one: never a preemption for multi-step;
 - a sequence's counters advance by all its passes (``num_computed_tokens``, ``num_pending``), so
   the overlap plan built while it runs starts after them;
-- ``apply_passes`` applies the tokens pass by pass; tokens after a stop are surplus (dropped, never
-  sent, never counted).
+- the result's tokens are applied pass by pass (``ResultApplier``, ``result_applier.py``); tokens
+  after a stop are surplus (dropped, never sent, never counted).
 """
 
 from __future__ import annotations
 
-import collections
-import logging
 from typing import TYPE_CHECKING
-
-from fuseserve.scheduler.sequence import FinishReason, SeqStatus
-from fuseserve.stop_rule import check_stop
-from fuseserve.types import StepResult, TokenEvent
 
 if TYPE_CHECKING:
     from fuseserve.scheduler.policies import Draft
-    from fuseserve.scheduler.scheduler import InFlight, Scheduler, WorkerSlot
-
-log = logging.getLogger(__name__)
+    from fuseserve.scheduler.worker_slot import WorkerSlot
 
 
-def plan_passes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> dict[int, int] | None:
+def plan_passes(
+    slot: WorkerSlot, draft: Draft, decode_passes: int, max_model_len: int, num_waiting: int
+) -> dict[int, int] | None:
     """Passes per sequence id for ``draft`` (before its chunks are built), blocks reserved; None: one pass.
+
+    ``decode_passes``: the most passes a plan may take (``EngineConfig.decode_passes``);
+    ``max_model_len``: the context window; ``num_waiting``: sequences in the waiting queue.
 
     The plan ends with the first sequence that ends by length (its ``max_new_tokens`` or the context
     window): a closed-loop client sends its next request when one finishes, so the pass that admits
     it is not delayed; a simulated closed loop (scale_out's shape) keeps the one-pass timeline.
     """
-    k = sched.config.decode_passes
-    if k <= 1 or not draft.entries or sched.waiting:
+    k = decode_passes
+    if k <= 1 or not draft.entries or num_waiting:
         return None
     if any(n != 1 or seq.in_prefill for seq, n in draft.entries):
         return None
@@ -52,7 +49,7 @@ def plan_passes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> dict[int, i
     for seq, _ in draft.entries:  # tokens this plan may sample for ``seq`` before a length stop
         k = min(
             k,
-            sched.max_model_len - seq.num_planned_tokens,
+            max_model_len - seq.num_planned_tokens,
             seq.params.max_new_tokens - len(seq.output_token_ids) - seq.num_pending,
         )
     account = slot.account
@@ -75,47 +72,3 @@ def advance(draft: Draft, passes: dict[int, int]) -> None:
         extra = passes[seq.seq_id] - 1
         seq.num_computed_tokens += extra
         seq.num_pending += extra
-
-
-def apply_passes(sched: Scheduler, worker: str, record: InFlight, result: StepResult) -> list[TokenEvent]:
-    """Apply a multi-pass result: each sequence's tokens in pass order, with the token-level stops.
-
-    Tokens after a stop, and tokens of sequences finished since the plan was sent, are surplus. A
-    live sequence that got fewer tokens than planned without a stop (the worker stopped it by a
-    rule the scheduler does not share) recomputes: its counters expect every planned token.
-    """
-    by_seq: dict[int, list] = collections.defaultdict(list)
-    for t in result.tokens:
-        by_seq[t.seq_id].append(t)
-    events = []
-    for seq, _, admitted_at in record.entries:
-        toks = by_seq.get(seq.seq_id, ())
-        if not sched._live(seq, worker, admitted_at):
-            if seq.status is SeqStatus.FINISHED:
-                sched.counters.num_surplus_tokens += len(toks)
-            continue
-        for i, tok in enumerate(toks):
-            seq.num_pending -= 1
-            seq.output_token_ids.append(tok.token_id)
-            num_output = len(seq.output_token_ids)
-            reason = check_stop(
-                seq.params, tok.token_id, num_output, seq.num_tokens, sched.eos_token_ids, sched.max_model_len
-            )
-            index = num_output - 1
-            cached = (seq.num_cached_tokens or 0) if index == 0 else 0
-            hidden = reason is FinishReason.STOP
-            events.append(TokenEvent(seq.seq_id, tok, reason, hidden, index=index, cached_tokens=cached))
-            if reason is not None:
-                sched._finish(seq, reason)
-                sched.counters.num_surplus_tokens += len(toks) - i - 1
-                break
-        else:
-            if len(toks) < record.passes[seq.seq_id]:
-                log.warning(
-                    "seq %d: %d of %d planned tokens came back without a stop; recomputing",
-                    seq.seq_id,
-                    len(toks),
-                    record.passes[seq.seq_id],
-                )
-                sched._to_waiting(seq)
-    return events

@@ -4,11 +4,12 @@ A policy builds the next pass of the workers being planned together (one, when r
 by one; several, when they are free at the same time) and returns one ``Draft`` per worker
 (``[(sequence, num_tokens)]`` within the token budget); it never writes to the scheduler's worker
 slots. It asks the
-scheduler to reserve blocks, preempt and admit (the scheduler owns that state).
+pass builder to reserve blocks and preempt, and the builder's waiting queue to place and admit
+(they own that state).
 
 - ``splitfuse`` (DeepSpeed-FastGen, paper §3.3): decodes, then continuing prompt chunks, then new
   prompts, filling the token budget exactly; long prompts are split over passes. New prompts are
-  placed on the worker expected to serve them soonest (``Scheduler.place``), which may be another
+  placed on the worker expected to serve them soonest (``WaitingQueue.place``), which may be another
   worker than the one being planned: the prompt then runs there with that worker's next pass.
 - ``prefill_first`` (vLLM v0, TGI before chunking): a pass of whole new prompts whenever one can be
   admitted, otherwise a pass of decodes; prompts and decodes never share a pass.
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fuseserve.scheduler.scheduler import Scheduler, WorkerSlot
+    from fuseserve.scheduler.pass_builder import PassBuilder
     from fuseserve.scheduler.sequence import Sequence
+    from fuseserve.scheduler.worker_slot import WorkerSlot
 
 
 @dataclass
@@ -78,11 +80,11 @@ class Policy(ABC):
     sized_by_slo = False
 
     @abstractmethod
-    def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
+    def plan(self, builder: PassBuilder, slots: list[WorkerSlot]) -> dict[str, Draft]:
         """The next pass of each worker of ``slots``, by worker name."""
 
 
-def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> list[Sequence]:
+def schedule_decodes(builder: PassBuilder, slot: WorkerSlot, draft: Draft) -> list[Sequence]:
     """One token per running sequence past its prompt, oldest first (rule 1), growing blocks (rule 3).
 
     A sequence whose plan in flight ends it by length (``max_new_tokens`` or the context window) is
@@ -92,10 +94,10 @@ def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> list[S
     the pass filled up first: then no prompt chunk fits anyway).
     """
     # the per-step hot path: ``Sequence.in_prefill`` / ``num_planned_tokens`` and
-    # ``Scheduler.ends_in_flight`` computed inline, and a sequence whose blocks already hold its next
+    # ``Sequence.ends_in_flight`` computed inline, and a sequence whose blocks already hold its next
     # token (``BlockAccount.covers``) needs no reservation
     account = slot.account
-    max_model_len = sched.max_model_len
+    max_model_len = builder.registry.max_model_len
     name = slot.name
     entries = draft.entries
     prompts = []
@@ -112,7 +114,7 @@ def schedule_decodes(sched: Scheduler, slot: WorkerSlot, draft: Draft) -> list[S
             continue  # ends in flight
         if draft.num_tokens >= draft.token_budget or len(entries) >= draft.max_num_seqs:
             return prompts
-        if account.covers(seq.seq_id, planned) or sched.reserve_or_preempt(slot, seq, planned, draft):
+        if account.covers(seq.seq_id, planned) or builder.reserve_or_preempt(slot, seq, planned, draft):
             entries = draft.entries  # ``drop`` may have replaced the list
             entries.append((seq, 1))
             draft.num_tokens += 1
@@ -138,7 +140,7 @@ def continue_prompts(
 
 
 def admit_new(
-    sched: Scheduler,
+    builder: PassBuilder,
     slots: list[WorkerSlot],
     drafts: dict[str, Draft],
     split: bool,
@@ -150,18 +152,19 @@ def admit_new(
     A sequence placed on a worker being planned joins its draft; one placed on another worker runs
     with that worker's next pass.
     """
-    while sched.waiting:
-        seq = sched.waiting[0]
+    queue = builder.queue
+    while queue.waiting:
+        seq = queue.waiting[0]
         here = [
             s
             for s in slots
             if len(drafts[s.name].entries) < drafts[s.name].max_num_seqs
             and (drafts[s.name].budget_left > 0 if split else fits(drafts[s.name], seq.num_tokens))
         ]
-        target = sched.place(seq, here, elsewhere=sched.policy.places_elsewhere, planning=slots)
+        target = queue.place(seq, here, elsewhere=builder.policy.places_elsewhere, planning=slots)
         if target is None:
             return
-        sched.admit(target, seq)
+        queue.admit(target, seq)
         draft = drafts.get(target.name)
         if draft is not None:
             # a cached prefix counts as computed: the pass runs only the rest (``num_uncomputed``)
@@ -173,30 +176,31 @@ class SplitFuse(Policy):
     places_elsewhere = True
     sized_by_slo = True
 
-    def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
+    def plan(self, builder: PassBuilder, slots: list[WorkerSlot]) -> dict[str, Draft]:
         key = None
-        if sched.slo is not None and sched.slo.target_prefill_rate is not None:
-            sched.slo.order_waiting(sched)  # waiting prompts earliest TTFT deadline first
-            key = sched.slo.deadline
-        drafts = {s.name: sched.new_draft(s) for s in slots}
+        slo = builder.slo
+        if slo is not None and slo.target_prefill_rate is not None:
+            slo.order_waiting(builder.queue.waiting)  # waiting prompts earliest TTFT deadline first
+            key = slo.deadline
+        drafts = {s.name: builder.new_draft(s) for s in slots}
         for slot in slots:
-            prompts = schedule_decodes(sched, slot, drafts[slot.name])
+            prompts = schedule_decodes(builder, slot, drafts[slot.name])
             continue_prompts(slot, drafts[slot.name], key, prompts)
-        admit_new(sched, slots, drafts, split=True, fits=None)
+        admit_new(builder, slots, drafts, split=True, fits=None)
         return drafts
 
 
 class WholePrompt(Policy):
     name = "whole_prompt"
 
-    def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
-        drafts = {s.name: sched.new_draft(s) for s in slots}
+    def plan(self, builder: PassBuilder, slots: list[WorkerSlot]) -> dict[str, Draft]:
+        drafts = {s.name: builder.new_draft(s) for s in slots}
         for slot in slots:
-            schedule_decodes(sched, slot, drafts[slot.name])
+            schedule_decodes(builder, slot, drafts[slot.name])
         # like Orca, a prompt is never starved by running decodes: the first prompt of a pass is
         # taken whole even past the budget; further prompts only while they fit
         admit_new(
-            sched, slots, drafts, split=False, fits=lambda d, n: n <= d.budget_left or not d.has_prompt()
+            builder, slots, drafts, split=False, fits=lambda d, n: n <= d.budget_left or not d.has_prompt()
         )
         return drafts
 
@@ -204,12 +208,12 @@ class WholePrompt(Policy):
 class PrefillFirst(Policy):
     name = "prefill_first"
 
-    def plan(self, sched: Scheduler, slots: list[WorkerSlot]) -> dict[str, Draft]:
-        drafts = {s.name: sched.new_draft(s) for s in slots}
-        admit_new(sched, slots, drafts, split=False, fits=lambda d, n: n <= d.budget_left or not d.entries)
+    def plan(self, builder: PassBuilder, slots: list[WorkerSlot]) -> dict[str, Draft]:
+        drafts = {s.name: builder.new_draft(s) for s in slots}
+        admit_new(builder, slots, drafts, split=False, fits=lambda d, n: n <= d.budget_left or not d.entries)
         for slot in slots:
             if not drafts[slot.name].entries:
-                schedule_decodes(sched, slot, drafts[slot.name])
+                schedule_decodes(builder, slot, drafts[slot.name])
         return drafts
 
 

@@ -85,6 +85,14 @@ class Sequence:
         """True while more than the last sampled token remain to run (prompt or recompute)."""
         return self.num_uncomputed > 1 or not (self.output_token_ids or self.num_pending)
 
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """A plan in flight samples the last token by length (``max_new_tokens`` or the context
+        window ``max_model_len``): planning the sequence again would be surplus."""
+        return self.num_pending > 0 and (
+            len(self.output_token_ids) + self.num_pending >= self.params.max_new_tokens
+            or self.num_planned_tokens >= max_model_len
+        )
+
     def full_block_hashes(self, block_size: int, root: int) -> list[int]:
         """Hashes of every full block of the known tokens (extends ``block_hashes``: each block is
         hashed once)."""

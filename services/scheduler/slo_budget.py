@@ -35,6 +35,7 @@ here runs and plans are exactly the fixed-budget ones.
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -44,8 +45,8 @@ import numpy as np
 from fuseserve.pass_shape import PassShape
 
 if TYPE_CHECKING:
-    from fuseserve.scheduler.scheduler import Scheduler, WorkerSlot
     from fuseserve.scheduler.sequence import Sequence
+    from fuseserve.scheduler.worker_slot import WorkerSlot
 
 ITL_MARGIN = 0.1
 """A pass may take at most ``(1 - ITL_MARGIN) x target_itl`` seconds (prediction error, jitter)."""
@@ -166,28 +167,33 @@ class SLOBudget:
             return math.inf
         return seq.arrival_time + seq.prompt_len / self.target_prefill_rate
 
-    def order_waiting(self, sched: Scheduler) -> None:
+    def order_waiting(self, waiting: collections.deque[Sequence]) -> None:
         """Sort the queue earliest TTFT deadline first (stable: FIFO among equal deadlines)."""
-        if self.target_prefill_rate is not None and len(sched.waiting) > 1:
-            ordered = sorted(sched.waiting, key=self.deadline)
-            sched.waiting.clear()
-            sched.waiting.extend(ordered)
+        if self.target_prefill_rate is not None and len(waiting) > 1:
+            ordered = sorted(waiting, key=self.deadline)
+            waiting.clear()
+            waiting.extend(ordered)
 
-    def prompts(self, sched: Scheduler, slot: WorkerSlot) -> list[tuple[float, int, float]]:
+    def prompts(
+        self, slot: WorkerSlot, waiting: collections.deque[Sequence], num_workers: int
+    ) -> list[tuple[float, int, float]]:
         """``(deadline, start_pos, tokens)`` of the prompts ``slot`` may run next, in the order the
         policy takes them: its partly computed prompts, then the queue's, each earliest deadline
         first; a queued prompt counts 1/(workers) of its tokens (it may be placed on any worker)."""
-        share = 1.0 / max(1, len(sched.slots))
+        share = 1.0 / max(1, num_workers)
         running = [
             (self.deadline(s), s.num_computed_tokens, float(s.num_uncomputed))
             for s in slot.running
             if s.in_prefill
         ]
-        waiting = [(self.deadline(s), 0, s.num_tokens * share) for s in sched.waiting]
-        return sorted(running, key=lambda t: t[0]) + sorted(waiting, key=lambda t: t[0])
+        queued = [(self.deadline(s), 0, s.num_tokens * share) for s in waiting]
+        return sorted(running, key=lambda t: t[0]) + sorted(queued, key=lambda t: t[0])
 
-    def pass_budget(self, sched: Scheduler, slot: WorkerSlot) -> int:
-        """The token budget of ``slot``'s next pass (module docstring: ``min(L, max(knee, need, decodes))``).
+    def pass_budget(
+        self, slot: WorkerSlot, waiting: collections.deque[Sequence], num_workers: int, max_model_len: int
+    ) -> int:
+        """The token budget of ``slot``'s next pass (module docstring: ``min(L, max(knee, need, decodes))``),
+        with ``waiting`` the queue, shared by ``num_workers`` workers of context ``max_model_len``.
 
         The knee (``slot.token_budget``) while the worker's latency model is not ready.
         """
@@ -198,9 +204,9 @@ class SLOBudget:
         decodes = [
             (s.num_computed_tokens, 1)
             for s in slot.running
-            if not s.in_prefill and not sched.ends_in_flight(s)
+            if not s.in_prefill and not s.ends_in_flight(max_model_len)
         ]
-        prompts = self.prompts(sched, slot)
+        prompts = self.prompts(slot, waiting, num_workers)
         num_decodes = len(decodes)
         n_max = min(MAX_PASS_TOKENS, num_decodes + int(math.ceil(sum(t for _, _, t in prompts))))
         if n_max <= 0:

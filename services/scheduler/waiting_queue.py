@@ -1,4 +1,4 @@
-"""Admission and placement of queued sequences (SplitFuse rule 2), part of ``Scheduler``.
+"""The waiting queue with admission and placement of its sequences (SplitFuse rule 2).
 
 A queued sequence is admitted onto a worker only when blocks exist for its whole remaining prompt
 (past the prefix its worker already caches) plus a watermark; among the workers that can take it,
@@ -10,30 +10,34 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import TYPE_CHECKING
 
 from fuseserve.block_hash import root_hash
+from fuseserve.config import EngineConfig
+from fuseserve.scheduler.core_stats import SchedulerCounters
 from fuseserve.scheduler.placement import near_least_loaded, seconds_per_share
 from fuseserve.scheduler.sequence import SeqStatus, Sequence
+from fuseserve.scheduler.worker_registry import WorkerRegistry
 from fuseserve.scheduler.worker_slot import WorkerSlot
 
-if TYPE_CHECKING:
-    from fuseserve.config import EngineConfig
-    from fuseserve.scheduler.core_stats import SchedulerCounters
 
+class WaitingQueue:
+    """Sequences waiting for a worker (``waiting``, FIFO; a preempted one goes back to the front),
+    admitted onto the workers of ``registry``; prefix-cache lookups are counted in ``counters``.
 
-class Admission:
-    """The admission half of ``fuseserve.scheduler.scheduler.Scheduler`` (a base class of it), over
-    the scheduler's state: ``config``, ``slots``, ``waiting``, ``model_id``, ``touched`` and the
-    event ``counters``."""
+    model_id: part of every block hash (``fuseserve/block_hash.py``), set by the adapter.
+    """
 
-    config: EngineConfig
-    slots: dict[str, WorkerSlot]
-    waiting: collections.deque[Sequence]
-    model_id: str
-    touched: set[str]
-    counters: SchedulerCounters
-    _admit_counter: itertools.count
+    def __init__(self, config: EngineConfig, registry: WorkerRegistry, counters: SchedulerCounters):
+        self.config = config
+        self.registry = registry
+        self.counters = counters
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.model_id = ""
+        self._admit_counter = itertools.count()
+
+    def block_hashes(self, seq: Sequence, block_size: int) -> list[int]:
+        """The hashes of ``seq``'s full blocks, rooted in the model and its cache salt."""
+        return seq.full_block_hashes(block_size, root_hash(self.model_id, seq.cache_salt))
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
         """Rule 2: blocks for the whole remaining prompt (past its cached prefix) plus the watermark
@@ -62,9 +66,7 @@ class Admission:
         max_blocks = (seq.num_tokens - 1) // bs
         if max_blocks <= 0:
             return []
-        return slot.account.match(
-            seq.full_block_hashes(bs, root_hash(self.model_id, seq.cache_salt)), max_blocks
-        )
+        return slot.account.match(self.block_hashes(seq, bs), max_blocks)
 
     def admit(self, slot: WorkerSlot, seq: Sequence) -> None:
         """Move ``seq`` from the queue onto ``slot``, reserving blocks for all its known tokens; the
@@ -87,7 +89,7 @@ class Admission:
         seq.num_tokens_at_admission = seq.num_tokens
         slot.running.append(seq)
         slot.num_admitted += 1
-        self.touched.add(slot.name)
+        self.registry.touched.add(slot.name)
 
     def place(
         self, seq: Sequence, here: list[WorkerSlot], elsewhere: bool, planning: list[WorkerSlot]
@@ -106,7 +108,7 @@ class Admission:
         """
         candidates = [s for s in here if self.can_admit(s, seq)]
         if elsewhere:
-            for slot in self.slots.values():
+            for slot in self.registry.slots.values():
                 if (
                     slot not in planning
                     and self._queued_prompt_tokens(slot) < slot.token_budget
@@ -117,7 +119,7 @@ class Admission:
             return None
         if len(candidates) == 1:
             return candidates[0]
-        measured = [s.step_time for s in self.slots.values() if s.step_time.seconds(1) is not None]
+        measured = [s.step_time for s in self.registry.slots.values() if s.step_time.seconds(1) is not None]
         fallback = measured[0] if measured else None
         shares = [
             seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running)) for s in candidates
