@@ -34,6 +34,7 @@ from fuseserve.model_source import resolve_model
 from fuseserve.options import from_keywords
 from fuseserve.outputs import Response
 from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler import engine_loop
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.sequence import Sequence
 from fuseserve.scheduler.slo_budget import curve_prior
@@ -262,35 +263,45 @@ class Pipeline:
             self._command("abort", req.seq_id)
         return delta.text
 
-    # ----- engine thread -----
+    # ----- engine thread: the engine loop (``engine_loop.run_once``) with this pipeline as its port -----
+    record_cpu = True  # the core measures its own CPU per worker-step
+
     def _engine(self) -> None:
-        while True:
-            with self._cv:
-                while not self._commands and not self.core.has_work and not self._closed:
-                    self._cv.wait()
-                commands, self._commands = self._commands, []
-                closed = self._closed
-            for kind, payload in commands:
-                self._apply_command(kind, payload)
-            if closed:
-                break
-            if not self.core.has_work:
-                continue
+        while not self._closed:
             try:
-                events = self.core.poll(timeout=1.0)  # returns early on a result or a command
+                engine_loop.run_once(self.core, self)
             except Exception as e:  # an engine bug must not hang callers
                 log.exception("engine step failed")
                 self._fail_all(e)
-                continue
-            if not self.core.workers:
-                self._fail_all(FuseServeError("the model runner failed; see the log"))
-            for ev in events:
-                req = self._requests.get(ev.seq_id)
-                if req is not None:
-                    req.events.put(ev)
-                    if ev.finish_reason is not None:
-                        self._requests.pop(ev.seq_id, None)
+        self._take_commands()  # what came with the close: requests added then finish with abort
         self._fail_all(FuseServeError("pipeline closed"), finish=True)
+
+    def receive(self) -> float:
+        """Apply the callers' commands (add, abort); fail every request once no runner is left."""
+        self._take_commands()
+        if self._requests and not self.core.workers:
+            self._fail_all(FuseServeError("the model runner failed; see the log"))
+        return 1.0  # a poll's longest wait: a result or a command ends it sooner
+
+    def send(self, events: list[TokenEvent]) -> None:
+        """Hand each event to its request's queue (read by the caller's thread)."""
+        for ev in events:
+            req = self._requests.get(ev.seq_id)
+            if req is not None:
+                req.events.put(ev)
+                if ev.finish_reason is not None:
+                    self._requests.pop(ev.seq_id, None)
+
+    def idle(self, timeout: float) -> None:
+        """Wait for a command, the close, or work to run."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._commands or self._closed or self.core.has_work, timeout)
+
+    def _take_commands(self) -> None:
+        with self._cv:
+            commands, self._commands = self._commands, []
+        for kind, payload in commands:
+            self._apply_command(kind, payload)
 
     def _apply_command(self, kind: str, payload) -> None:
         if kind == "add":

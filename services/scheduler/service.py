@@ -46,7 +46,7 @@ from fuseserve.drain import DrainSignal
 from fuseserve.errors import FuseServeError
 from fuseserve.options import from_cli_args
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.scheduler import drain, heartbeat, redis_io
+from fuseserve.scheduler import drain, engine_loop, heartbeat, redis_io
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import IOLoop
 from fuseserve.scheduler.metrics import SchedulerMetrics
@@ -229,30 +229,34 @@ class SchedulerService:
 
     # ----- loop -----
     def run_once(self) -> None:
-        """One iteration: periodic work (discovery, take-over, stats) when due, what the readers
-        handed over, then one poll of the core (or, with nothing to run, a wait for the readers)."""
+        """One iteration of the engine loop (``engine_loop.run_once``) with this service as its port."""
+        engine_loop.run_once(self.core, self)
+
+    # ----- the engine loop's port (``engine_loop.EnginePort``) -----
+    record_cpu = False  # the service spreads its whole process's CPU over the worker-steps (send)
+
+    def receive(self) -> float:
+        """Periodic work (discovery, take-over, stats) when due, then what the readers handed over;
+        returns the seconds until the next periodic task (a hand-over or a result ends it sooner)."""
         now = time.monotonic()
         self._periodic(now)
         self._fail_if_no_worker(now)
         self._apply_inbox()
-        # until the next periodic task; a reader's hand-over or a worker's result ends the wait sooner
         due = min(self._last_discovery + DISCOVERY_INTERVAL_S, self._last_stats + STATS_INTERVAL_S)
-        timeout = max(0.0, due - time.monotonic())
-        if not (self.core.has_work and self.scheduler.slots):
-            self.core.wait(timeout)
-            self._cpu0 = time.process_time()
-            return
-        events = self.core.poll(timeout=timeout, record_cpu=False)
-        n = self.core.num_completions
-        if not n:
-            if not any(s.inflight for s in self.scheduler.slots.values()):
-                self.core.wait(min(timeout, 0.05))  # work that no worker can take yet: do not spin
-            return
+        return max(0.0, due - time.monotonic())
+
+    def send(self, events: list[TokenEvent]) -> None:
+        """Publish a poll's events to their gateways, record its stats and its CPU per worker-step."""
         self._publish_events(events)
         self.metrics.record(self.core.make_stats())  # the events since the last record
         cpu = time.process_time()  # the process's CPU since the last worker-steps, spread over these
-        self.stats_cpu(cpu - self._cpu0, n)
+        self.stats_cpu(cpu - self._cpu0, self.core.num_completions)
         self._cpu0 = cpu
+
+    def idle(self, timeout: float) -> None:
+        """Nothing to run: wait for the readers or a worker (the core's waiter runs the gRPC I/O)."""
+        self.core.wait(timeout)
+        self._cpu0 = time.process_time()
 
     def _periodic(self, now: float) -> None:
         """The periodic tasks that are due (discovery, take-over, control trim, stats), their Redis
