@@ -2,17 +2,25 @@
 
 Run by ``./dev.sh test-containers`` (the marker ``containers`` keeps it out of ``./dev.sh test``).
 Needs Podman (installed with apt when running as root; skipped with the reason otherwise). Builds the
-images with ``deploy/build-images.sh`` (wheelhouse + base image cached under ``deploy/.cache``), brings
-up redis, gateway, scheduler and ``--scale worker=2`` with Debian's ``docker-compose`` through
-Podman's Docker API (``deploy/podman-compose.sh``), and then:
+images with ``deploy/build-images.sh`` (wheelhouse and base root filesystems cached in
+``$FUSESERVE_DEPLOY_CACHE``, default ``~/.cache/fuseserve/deploy``), brings up redis, gateway,
+scheduler, ``--scale worker=2`` and, with ``--profile monitoring``, Prometheus, with Debian's
+``docker-compose`` through Podman's Docker API (``deploy/podman-compose.sh``), and then:
 
-- the ``openai`` client gets "Paris" through the gateway's published port;
-- one worker container is stopped while 8 streams run, and all 8 finish with the text of an
-  undisturbed run; the container is then removed and the stack keeps serving;
-- ``compose down`` leaves no container of the project behind.
+- the ``openai`` client gets "Paris" through the gateway's published port, which refuses a missing
+  or wrong API key;
+- each worker compiled and chose the C++ CPU attention operator (its log says so);
+- Prometheus (the offline Debian image, on ``monitoring/prometheus.yml`` and the alert rules) has
+  every target up: the gateway, the scheduler and both workers;
+- one worker container is stopped (SIGTERM: it drains) while 8 streams run, and all 8 finish with
+  the text of an undisturbed run; the container is then removed and the stack keeps serving;
+- the gateway's token counter, as Prometheus scraped it, equals the tokens the clients received
+  (``usage.completion_tokens`` of every request of this module);
+- ``compose down`` leaves no container of the project behind, and ``podman-compose.sh`` stops the
+  Podman API service and health-check loop it started.
 
-Timings (image build, stack up) and image sizes are printed (``-s`` shows them) and written to
-``deploy/.cache/container-test.json``.
+Timings (image build, time from ``up`` to each stage of ready) and image sizes are printed (``-s``
+shows them) and written to ``deploy/.cache/container-test.json``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -32,11 +41,13 @@ import pytest
 
 from fuseserve.redis_launcher import free_port
 
-pytestmark = pytest.mark.containers
+# The first test's setup builds the images and starts the stack: up to ~25 min on a fresh machine,
+# beyond the suite's 900 s per test.
+pytestmark = [pytest.mark.containers, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "fuseserve-ctest"
-SERVICES = ["redis", "gateway", "scheduler", "worker"]
+PROFILE = ["--profile", "monitoring"]
 PROMPT = "What is the capital of France?"
 STREAM_PROMPTS = [
     "Name three colours of the rainbow.",
@@ -48,18 +59,22 @@ STREAM_PROMPTS = [
     "Name a fruit that is yellow.",
     "What do bees make?",
 ]
-UP_TIMEOUT_S = 900
+UP_TIMEOUT_S = 1200
 SECRETS = {
     "FUSESERVE_REDIS_PASSWORD": secrets.token_hex(24),
     "FUSESERVE_API_KEY": "sk-" + secrets.token_hex(24),
 }
+CONTAINERS_CONF = ROOT / "deploy/podman/containers.conf"  # podman's runtime settings (runc, rlimits)
+PODMAN_SOCKET_DIR = Path(os.environ.get("PODMAN_SOCKET_DIR", "/run/fuseserve-podman"))
 REPORT: dict = {}
+RECEIVED = {"completion_tokens": 0}
+"""Generated tokens the clients of this module received (``usage.completion_tokens``, summed)."""
+_received_lock = threading.Lock()
 
 
 def _run(*cmd: str, timeout: float = 600, check: bool = True, env: dict | None = None) -> str:
-    result = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+    env = {"CONTAINERS_CONF": str(CONTAINERS_CONF), **os.environ, **(env or {})}
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -68,18 +83,17 @@ def _run(*cmd: str, timeout: float = 600, check: bool = True, env: dict | None =
 
 
 def _ensure_tools() -> None:
-    missing = [t for t in ("podman", "docker-compose", "mmdebstrap") if shutil.which(t) is None]
+    missing = [t for t in ("podman", "docker-compose", "mmdebstrap", "runc") if shutil.which(t) is None]
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         pytest.skip(f"{', '.join(missing)} not installed, and installing needs root with apt-get")
-    packages = ["podman" if t == "podman" else t for t in missing]
-    result = subprocess.run(["apt-get", "install", "-y", "-q", *packages], capture_output=True, text=True)
+    result = subprocess.run(["apt-get", "install", "-y", "-q", *missing], capture_output=True, text=True)
     if result.returncode != 0:
         subprocess.run(["apt-get", "update", "-q"], capture_output=True)
-        result = subprocess.run(["apt-get", "install", "-y", "-q", *packages], capture_output=True, text=True)
+        result = subprocess.run(["apt-get", "install", "-y", "-q", *missing], capture_output=True, text=True)
     if result.returncode != 0:
-        pytest.skip(f"apt-get install {' '.join(packages)} failed: {result.stderr[-500:]}")
+        pytest.skip(f"apt-get install {' '.join(missing)} failed: {result.stderr[-500:]}")
 
 
 def _image_exists(name: str) -> bool:
@@ -87,15 +101,21 @@ def _image_exists(name: str) -> bool:
 
 
 def _compose(*args: str, env: dict, timeout: float = 600, check: bool = True) -> str:
-    return _run("deploy/podman-compose.sh", "-p", PROJECT, *args, env=env, timeout=timeout, check=check)
+    return _run(
+        "deploy/podman-compose.sh", "-p", PROJECT, *PROFILE, *args, env=env, timeout=timeout, check=check
+    )
 
 
-def _health(port: int) -> dict | None:
+def _get_json(url: str) -> dict | None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=5) as response:
             return json.loads(response.read())
     except Exception:  # noqa: BLE001 (not up yet: connection refused, 503, reset)
         return None
+
+
+def _health(port: int) -> dict | None:
+    return _get_json(f"http://127.0.0.1:{port}/health")
 
 
 def _containers(service: str | None = None, all_states: bool = False) -> list[str]:
@@ -121,6 +141,28 @@ def _health_states() -> dict[str, str]:
     return dict(line.split() for line in out.splitlines() if line.strip())
 
 
+def _targets(prometheus_port: int) -> list[dict]:
+    """Prometheus's active scrape targets (``/api/v1/targets``), [] while it does not answer."""
+    data = _get_json(f"http://127.0.0.1:{prometheus_port}/api/v1/targets?state=active")
+    return (data or {}).get("data", {}).get("activeTargets", [])
+
+
+def _up_by_job(targets: list[dict]) -> dict[str, int]:
+    """Job -> number of its targets whose last scrape succeeded."""
+    up: dict[str, int] = {}
+    for target in targets:
+        if target["health"] == "up":
+            up[target["labels"]["job"]] = up.get(target["labels"]["job"], 0) + 1
+    return up
+
+
+def _query(prometheus_port: int, expr: str) -> float | None:
+    """The value of an instant query that yields one sample, None when it yields none."""
+    url = f"http://127.0.0.1:{prometheus_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    result = (_get_json(url) or {}).get("data", {}).get("result", [])
+    return float(result[0]["value"][1]) if result else None
+
+
 @pytest.fixture(scope="module")
 def stack():
     _ensure_tools()
@@ -130,33 +172,54 @@ def stack():
     sizes = _run("podman", "images", "--format", "{{.Repository}}:{{.Tag}} {{.Size}}")
     REPORT["image_sizes"] = [line for line in sizes.splitlines() if "localhost/fuseserve" in line]
 
-    port = free_port()
+    port, prometheus_port = free_port(), free_port()
     # The secrets compose requires (README "Deploy" has users put them in .env)
-    env = {"WORKER_DEVICE": "cpu", "GATEWAY_PORT": str(port), **SECRETS}
-    if _image_exists("localhost/fuseserve-redis:latest"):  # built when no registry answers
-        env["REDIS_IMAGE"] = "localhost/fuseserve-redis:latest"
+    env = {
+        "WORKER_DEVICE": "cpu",
+        "GATEWAY_PORT": str(port),
+        "PROMETHEUS_PORT": str(prometheus_port),
+        **SECRETS,
+    }
+    for variable, image in (
+        ("REDIS_IMAGE", "localhost/fuseserve-redis:latest"),  # built when no registry answers
+        ("PROMETHEUS_IMAGE", "localhost/fuseserve-prometheus:latest"),
+    ):
+        if _image_exists(image):
+            env[variable] = image
     _compose("down", "-v", "--remove-orphans", env=env, check=False)
-    t0 = time.monotonic()
-    _compose("up", "-d", "--scale", "worker=2", *SERVICES, env=env)
-    deadline = time.monotonic() + UP_TIMEOUT_S
-    while (health := _health(port)) is None or health.get("workers") != 2:
-        if time.monotonic() > deadline:
-            logs = _compose("logs", "--tail", "40", env=env, check=False)
-            pytest.fail(
-                f"stack not up with 2 workers after {UP_TIMEOUT_S} s (health {health}):\n{logs[-6000:]}"
-            )
-        time.sleep(3)
-    REPORT["stack_up_s"] = round(time.monotonic() - t0, 1)
-    while (states := _health_states()) and set(states.values()) != {"healthy"}:  # HEALTHCHECKs pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"containers not healthy after {UP_TIMEOUT_S} s: {states}")
-        time.sleep(3)
-    yield port, env
-    if os.environ.get("FUSESERVE_KEEP_STACK") != "1":
-        _compose("down", "-v", "--remove-orphans", env=env, check=False)
-    out = ROOT / "deploy/.cache/container-test.json"
-    out.write_text(json.dumps(REPORT, indent=1))
-    print("\ncontainer test:", json.dumps(REPORT, indent=1))
+    try:  # torn down also when the stack fails to come up
+        t0 = time.monotonic()
+        deadline = t0 + UP_TIMEOUT_S
+        # `up` returns once every container has started: the gateway and workers after convert-model
+        _compose("up", "-d", "--scale", "worker=2", env=env, timeout=UP_TIMEOUT_S)
+        REPORT["compose_up_returned_s"] = round(time.monotonic() - t0, 1)
+        while (health := _health(port)) is None or health.get("workers") != 2:
+            if time.monotonic() > deadline:
+                logs = _compose("logs", "--tail", "40", env=env, check=False)
+                pytest.fail(
+                    f"stack not up with 2 workers after {UP_TIMEOUT_S} s (health {health}):\n{logs[-6000:]}"
+                )
+            time.sleep(3)
+        REPORT["two_workers_registered_s"] = round(time.monotonic() - t0, 1)
+        while (states := _health_states()) and set(states.values()) != {"healthy"}:  # HEALTHCHECKs pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"containers not healthy after {UP_TIMEOUT_S} s: {states}")
+            time.sleep(3)
+        REPORT["all_containers_healthy_s"] = round(time.monotonic() - t0, 1)
+        REPORT["containers"] = sorted(states)
+        while _up_by_job(targets := _targets(prometheus_port)) != {"gateway": 1, "scheduler": 1, "worker": 2}:
+            if time.monotonic() > deadline:
+                pytest.fail(f"Prometheus targets not all up after {UP_TIMEOUT_S} s: {targets}")
+            time.sleep(3)
+        REPORT["prometheus_targets_up_s"] = round(time.monotonic() - t0, 1)
+        yield port, prometheus_port, env
+    finally:
+        if os.environ.get("FUSESERVE_KEEP_STACK") != "1":
+            _compose("down", "-v", "--remove-orphans", env=env, check=False)
+        out = ROOT / "deploy/.cache/container-test.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(REPORT, indent=1))
+        print("\ncontainer test:", json.dumps(REPORT, indent=1))
 
 
 def _client(port: int):
@@ -169,6 +232,11 @@ def _client(port: int):
     )
 
 
+def _count(usage) -> None:
+    with _received_lock:
+        RECEIVED["completion_tokens"] += usage.completion_tokens
+
+
 def _stream(client, prompt: str, first_token: threading.Event | None = None) -> str:
     stream = client.chat.completions.create(
         model="smollm2-135m-instruct",
@@ -176,9 +244,12 @@ def _stream(client, prompt: str, first_token: threading.Event | None = None) -> 
         max_tokens=48,
         temperature=0,
         stream=True,
+        stream_options={"include_usage": True},
     )
     parts = []
     for chunk in stream:
+        if chunk.usage is not None:
+            _count(chunk.usage)
         if chunk.choices and chunk.choices[0].delta.content:
             parts.append(chunk.choices[0].delta.content)
             if first_token is not None:
@@ -204,7 +275,7 @@ def _run_streams(client, events: list[threading.Event] | None = None) -> list[st
 
 
 def test_the_published_port_needs_the_api_key(stack):
-    port, _ = stack
+    port, _, _ = stack
     for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=headers)
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -213,7 +284,7 @@ def test_the_published_port_needs_the_api_key(stack):
 
 
 def test_openai_client_gets_paris_through_the_published_port(stack):
-    port, _ = stack
+    port, _, _ = stack
     client = _client(port)
     t0 = time.monotonic()
     answer = client.chat.completions.create(
@@ -222,13 +293,35 @@ def test_openai_client_gets_paris_through_the_published_port(stack):
         max_tokens=16,
         temperature=0,
     )
+    _count(answer.usage)
     REPORT["first_request_s"] = round(time.monotonic() - t0, 1)
     REPORT["paris_answer"] = answer.choices[0].message.content
     assert "Paris" in answer.choices[0].message.content
 
 
+def test_each_worker_chose_the_compiled_cpu_attention_operator(stack):
+    for worker in _containers("worker"):
+        logs = subprocess.run(["podman", "logs", worker], capture_output=True, text=True)
+        logs = logs.stdout + logs.stderr
+        chosen = [line for line in logs.splitlines() if "attention backend:" in line]
+        REPORT.setdefault("attention_backend", {})[worker] = chosen[-1] if chosen else None
+        assert chosen and chosen[-1].endswith("attention backend: cpu (auto)"), logs[-3000:]
+
+
+def test_prometheus_scrapes_every_service_and_loads_the_alert_rules(stack):
+    _, prometheus_port, _ = stack
+    targets = _targets(prometheus_port)
+    assert _up_by_job(targets) == {"gateway": 1, "scheduler": 1, "worker": 2}, targets
+    assert all(t["health"] == "up" for t in targets), targets
+    rules = _get_json(f"http://127.0.0.1:{prometheus_port}/api/v1/rules")["data"]["groups"]
+    names = {rule["name"] for group in rules for rule in group["rules"]}
+    assert "FuseserveNoLiveWorker" in names, names
+    assert all(rule["health"] == "ok" for group in rules for rule in group["rules"]), rules
+    assert _query(prometheus_port, "sum(fuseserve_num_workers)") == 2.0
+
+
 def test_a_worker_stopped_under_load_loses_no_stream(stack):
-    port, env = stack
+    port, _, env = stack
     client = _client(port)
     reference = _run_streams(client)
     assert all(isinstance(r, str) and r for r in reference), reference
@@ -242,13 +335,18 @@ def test_a_worker_stopped_under_load_loses_no_stream(stack):
     for event in events:  # every stream has started producing tokens
         assert event.wait(300)
     victim = workers[-1]
-    _run("podman", "stop", "-t", "2", victim)
+    t0 = time.monotonic()
+    _run("podman", "stop", "-t", "45", victim)  # SIGTERM, then the compose stop_grace_period
     REPORT["stopped_worker"] = victim
+    REPORT["worker_stop_s"] = round(time.monotonic() - t0, 1)
+    exit_code = _run("podman", "inspect", "--format", "{{.State.ExitCode}}", victim).strip()
+    REPORT["stopped_worker_exit_code"] = exit_code
     runner.join(timeout=900)
     assert not runner.is_alive()
     failures = [r for r in results if not isinstance(r, str)]
     assert not failures, failures
     assert results == reference
+    assert exit_code == "0"  # it drained and exited by itself, before the grace period's SIGKILL
 
     _run("podman", "rm", victim)
     assert _containers("worker") == workers[:-1]
@@ -259,7 +357,28 @@ def test_a_worker_stopped_under_load_loses_no_stream(stack):
     assert "Paris" in _stream(client, PROMPT)
 
 
+def test_prometheus_counts_the_tokens_the_clients_received(stack):
+    port, prometheus_port, _ = stack
+    _stream(_client(port), PROMPT)  # at least one request, also when this test runs alone
+    expected = float(RECEIVED["completion_tokens"])
+    deadline = time.monotonic() + 60  # scraped every 5 s
+    while (counted := _query(prometheus_port, "sum(fuseserve_generation_tokens_total)")) != expected:
+        assert time.monotonic() < deadline, (
+            f"Prometheus counted {counted} tokens, clients received {expected}"
+        )
+        time.sleep(2)
+    REPORT["generation_tokens"] = {"clients": expected, "prometheus": counted}
+
+
 def test_compose_down_leaves_nothing_running(stack):
-    _, env = stack
+    _, _, env = stack
     _compose("down", "-v", "--remove-orphans", env=env)
     assert _containers(all_states=True) == []
+    others = _run("podman", "ps", "-aq", "--filter", "label=com.docker.compose.project").split()
+    if not others:  # no other compose project on this Podman: the script stopped what it started
+        for pidfile in ("service.pid", "healthchecks.pid"):
+            assert not (PODMAN_SOCKET_DIR / pidfile).exists(), pidfile
+        socket = str(PODMAN_SOCKET_DIR / "podman.sock")
+        ps = _run("ps", "-eo", "args")
+        assert f"system service --time=0 unix://{socket}" not in ps
+        assert "podman healthcheck run" not in ps
