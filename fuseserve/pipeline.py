@@ -99,6 +99,7 @@ class Pipeline:
             tp,
             threads=max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None,
             progress=progress,
+            exit_on_loss=False,  # a lost rank fails the requests, not the caller's process
         )
         self.token_budget, latency_prior = self._token_budget(cache_dir)
         info = self.runner.info

@@ -183,3 +183,21 @@ def test_pipeline_refuses_a_bad_tensor_parallel_size(tmp_path):
     tiny_checkpoint("llama-gqa", tmp_path)
     with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
         fuseserve.pipeline(str(tmp_path), tensor_parallel_size=0, device="cpu", progress=False)
+
+
+def test_pipeline_survives_a_lost_rank(tmp_path):
+    """In process a lost rank fails the requests with an error; it does not end the caller's process
+    (a worker exits instead, so the scheduler moves its sequences)."""
+    import fuseserve
+    from fuseserve.errors import FuseServeError
+
+    tiny_checkpoint("llama-gqa", tmp_path)
+    kwargs = dict(token_budget=16, kv_cache_memory="8MiB", device="cpu", dtype="float32", progress=False)
+    with fuseserve.pipeline(str(tmp_path), tensor_parallel_size=2, **kwargs) as pipe:
+        assert len(pipe([[5, 6, 7]], max_new_tokens=2, temperature=0.0)[0].token_ids) == 2
+        follower = pipe.runner.followers[0]
+        follower.kill()
+        follower.join(30)
+        with pytest.raises(FuseServeError):
+            pipe([[5, 6, 7]], max_new_tokens=4, temperature=0.0)
+        assert pipe.runner.lost is not None

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fuseserve.errors import FuseServeError, InvalidParameterError
+from fuseserve.errors import FuseServeError, InvalidParameterError, WorkerLostError
 from fuseserve.types import StepPlan, StepResult
 from fuseserve.worker.model_runner import ModelRunner
 from fuseserve.worker.multi_pass import run_passes
@@ -49,11 +49,16 @@ class TensorParallelRunner:
     """Rank 0's ``ModelRunner`` plus the broadcast that keeps ranks 1..N-1 in step with it.
 
     Same interface as ``ModelRunner`` (``step``, ``run_pass``, ``free``, ``info``, ``seqs``, ...).
+    exit_on_loss: a lost rank ends the process (the worker: the scheduler then recomputes its
+    sequences elsewhere); False (the pipeline, in the user's process): the followers are stopped and
+    every later call raises ``WorkerLostError``, so the engine fails its requests instead.
     """
 
-    def __init__(self, runner: ModelRunner, followers: list):
+    def __init__(self, runner: ModelRunner, followers: list, exit_on_loss: bool = True):
         self.runner = runner
         self.followers = followers
+        self.exit_on_loss = exit_on_loss
+        self.lost: str | None = None  # why a rank was lost (exit_on_loss False)
         self._closed = False
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
@@ -62,6 +67,7 @@ class TensorParallelRunner:
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run ``plan``'s passes on rank 0 (``multi_pass.run_passes``), each broadcast as a one-pass plan."""
+        self._check_ranks()
         return run_passes(self, plan, self._step_pass)
 
     def _step_pass(self, plan: StepPlan) -> StepResult:
@@ -70,6 +76,7 @@ class TensorParallelRunner:
         return self._in_step(self.runner.step_pass, plan)
 
     def run_pass(self, plan: StepPlan, all_logits: bool = False):
+        self._check_ranks()
         plan = self._with_decode_tokens(plan)
         self._broadcast(("pass", plan, all_logits))
         return self._in_step(self.runner.run_pass, plan, all_logits)
@@ -87,6 +94,7 @@ class TensorParallelRunner:
             self._exit("a tensor-parallel pass failed")
 
     def free(self, seq_ids: list[int]) -> None:
+        self._check_ranks()
         self._broadcast(("free", list(seq_ids), None))
         self.runner.free(seq_ids)
 
@@ -120,15 +128,28 @@ class TensorParallelRunner:
         while not self._closed:
             for rank, p in enumerate(self.followers, 1):
                 if not p.is_alive() and not self._closed:
-                    self._exit(f"tensor-parallel rank {rank} exited with code {p.exitcode}")
+                    self._lose(f"tensor-parallel rank {rank} exited with code {p.exitcode}")
             time.sleep(WATCH_INTERVAL_S)
 
-    def _exit(self, why: str) -> None:
-        log.error("%s; the worker stops (its sequences move to other workers)", why)
+    def _check_ranks(self) -> None:
+        if self.lost is not None:
+            raise WorkerLostError(self.lost)
+
+    def _exit(self, why: str):
+        """A rank is lost on the calling thread's pass: raises ``WorkerLostError`` (exit_on_loss False)."""
+        self._lose(why)
+        raise WorkerLostError(why)
+
+    def _lose(self, why: str) -> None:
+        """Stop the followers; end the process (exit_on_loss), else remember why."""
         for p in self.followers:
             if p.is_alive():
                 p.kill()
-        os._exit(RANK_LOST_EXIT_CODE)
+        if self.exit_on_loss:
+            log.error("%s; the worker stops (its sequences move to other workers)", why)
+            os._exit(RANK_LOST_EXIT_CODE)
+        log.error("%s; the model runner stops", why)
+        self.lost, self._closed = why, True
 
 
 def load_runner(
@@ -139,9 +160,11 @@ def load_runner(
     size: int = 1,
     threads: int | None = None,
     progress: bool = True,
+    exit_on_loss: bool = True,
 ):
     """The model runner of one worker or pipeline: a ``ModelRunner``, or with ``size`` > 1 rank 0's
-    ``TensorParallelRunner`` (followers spawned with ``threads`` torch threads each; None: torch's).
+    ``TensorParallelRunner`` (followers spawned with ``threads`` torch threads each; None: torch's;
+    ``exit_on_loss``: see ``TensorParallelRunner``).
 
     Raises ``InvalidParameterError`` for ``size`` < 1, else what ``ModelRunner`` raises.
     """
@@ -149,7 +172,7 @@ def load_runner(
         raise InvalidParameterError("tensor_parallel_size", size, "an integer >= 1")
     if size == 1:
         return ModelRunner(model_path, hf_config, eos_token_ids, config, progress=progress)
-    return start(model_path, hf_config, eos_token_ids, config, size, threads, progress)
+    return start(model_path, hf_config, eos_token_ids, config, size, threads, progress, exit_on_loss)
 
 
 def start(
@@ -160,6 +183,7 @@ def start(
     size: int,
     threads: int | None = None,
     progress: bool = True,
+    exit_on_loss: bool = True,
 ):
     """Spawn ranks 1..``size``-1, join them as rank 0, load rank 0's shard; returns its runner.
 
@@ -180,7 +204,7 @@ def start(
         p.start()
     _init_group(0, size, init_file, config.device)
     runner = ModelRunner(model_path, hf_config, eos_token_ids, config, progress=progress)
-    return TensorParallelRunner(runner, followers)
+    return TensorParallelRunner(runner, followers, exit_on_loss)
 
 
 def _follower_main(rank, size, init_file, model_path, eos_token_ids, config, threads, parent_pid) -> None:
