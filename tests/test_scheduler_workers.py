@@ -139,12 +139,15 @@ def test_removed_worker_sequences_finish_elsewhere(how, overlap):
         moved = eng.core.remove_worker("w1")
         assert {s.seq_id for s in moved} == on_w1
         assert all(s.status is SeqStatus.WAITING and s.num_computed_tokens == 0 for s in moved)
+        assert eng.core.take_lost() == {}  # removed by its owner, who holds its handle
     else:
         for _ in range(20):  # w1 raises at its 7th plan; the loop drops it
             if "w1" not in eng.sched.slots:
                 break
             eng.step()
         assert set(eng.sched.slots) == {"w0"} and set(eng.core.workers) == {"w0"}
+        # the lost worker's handle goes to its owner once (to close it), held nowhere else
+        assert eng.core.take_lost() == {"w1": eng.fakes["w1"]} and eng.core.take_lost() == {}
     del eng.fakes["w1"]
     eng.run()
     assert sorted(eng.finish) == list(range(16))

@@ -14,6 +14,9 @@ and how a stop learned one pass late is dropped.
 A worker handle either runs a plan (``step(plan) -> StepResult``, called from the lane's own thread,
 or inline for deterministic tests) or sends it ahead (``send(plan, on_result)``, the gRPC client,
 which calls back with the result), in which case the worker itself runs plans in ``step_id`` order.
+Each handle is held once, by the worker's ``WorkerSlot`` in the scheduler's ``WorkerRegistry``; a lane
+is given it with each plan. A worker dropped as lost keeps its handle in ``EngineCore.lost`` until its
+owner takes it to close (``take_lost``).
 """
 
 from __future__ import annotations
@@ -49,30 +52,31 @@ class _Lane:
 
     A handle with ``send(plan, on_result)`` (the gRPC client) takes the plan and calls back from its
     own thread; one with only ``step(plan)`` runs on the lane's thread, or inline when not threaded.
+    The lane keeps no handle: ``submit`` is given the registry's with each plan.
     """
 
-    def __init__(self, name: str, handle, done: queue.SimpleQueue, threaded: bool, waiter=None):
+    def __init__(self, name: str, sends: bool, done: queue.SimpleQueue, threaded: bool, waiter=None):
         self.name = name
-        self.handle = handle
+        self._sends = sends  # the worker's handle has ``send``
         self._done = done
         self._waiter = waiter
         self.results: dict[int, StepResult | Exception] = {}  # arrived, waiting for older plans
         self._pool = None
-        self._send = getattr(handle, "send", None)
-        if self._send is None and threaded:
+        if not sends and threaded:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{name}")
 
-    def submit(self, plan: StepPlan) -> None:
-        if self._send is not None:
-            self._send(plan, self._put)
+    def submit(self, handle, plan: StepPlan) -> None:
+        """Send ``plan`` through ``handle`` (the worker's, from the registry)."""
+        if self._sends:
+            handle.send(plan, self._put)
         elif self._pool is not None:
-            self._pool.submit(self._run, plan)
+            self._pool.submit(self._run, handle, plan)
         else:
-            self._run(plan)
+            self._run(handle, plan)
 
-    def _run(self, plan: StepPlan) -> None:
+    def _run(self, handle, plan: StepPlan) -> None:
         try:
-            result: StepResult | Exception = self.handle.step(plan)
+            result: StepResult | Exception = handle.step(plan)
         except Exception as e:  # a lost worker must not take the core down
             result = e
         self._done.put((self, plan.step_id, result))
@@ -118,6 +122,7 @@ class EngineCore:
         self._num_idle_reported = 0  # idle times ``make_stats`` has returned so far
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._lanes: dict[str, _Lane] = {}
+        self.lost: dict[str, WorkerHandle] = {}  # handles of workers dropped as lost, until ``take_lost``
         self._dispatch_all = False
         self.last_plans: dict[str, StepPlan] = {}  # plans sent by the last ``step`` / ``poll``
         self.num_completions = 0  # worker-steps applied by the last ``poll``
@@ -149,7 +154,7 @@ class EngineCore:
         self.scheduler.add_worker(
             name, num_blocks, block_size, max_model_len, token_budget, handle, latency_prior
         )
-        self._lanes[name] = _Lane(name, handle, self._done, threaded, self.waiter)
+        self._lanes[name] = _Lane(name, hasattr(handle, "send"), self._done, threaded, self.waiter)
         self._dispatch_all = True
 
     def remove_worker(self, name: str) -> list[Sequence]:
@@ -159,6 +164,12 @@ class EngineCore:
             lane.close()
         self._dispatch_all = True
         return self.scheduler.remove_worker(name)
+
+    def take_lost(self) -> dict[str, WorkerHandle]:
+        """The workers dropped as lost (``WorkerLostError``) since the last call, name → handle, for
+        their owner to close (read and reset; the registry no longer holds them)."""
+        lost, self.lost = self.lost, {}
+        return lost
 
     def drain_worker(self, name: str) -> bool:
         """Place no new sequence on ``name`` (it is stopping); its running sequences go on to the end.
@@ -318,6 +329,7 @@ class EngineCore:
         if isinstance(result, Exception):
             if isinstance(result, WorkerLostError):
                 log.error("worker %s lost (%s); resuming its sequences elsewhere", name, result)
+                self.lost[name] = self.scheduler.slots[name].handle
                 self.remove_worker(name)
                 return []
             # the plan failed, the worker lives: fail those sequences
@@ -332,18 +344,13 @@ class EngineCore:
 
     def _dispatch(self) -> None:
         """Send plans to every worker that may need one (new requests, work placed on it, frees)."""
-        names = list(self.scheduler.slots) if self._dispatch_all else self._touched()
+        registry = self.scheduler.registry
+        names = list(registry.slots) if self._dispatch_all else registry.touched_in_order()
         self._dispatch_all = False
         while names:
-            self.scheduler.touched.clear()
+            registry.touched.clear()
             self._dispatch_workers(names)
-            names = self._touched()  # planning placed prompts on other workers
-
-    def _touched(self) -> list[str]:
-        """The workers given work since the last dispatch, in registration order (a set's order
-        follows the string hash, which changes from process to process: plans would too)."""
-        touched = self.scheduler.touched
-        return [n for n in self.scheduler.slots if n in touched] if touched else []
+            names = registry.touched_in_order()  # planning placed prompts on other workers
 
     def _dispatch_worker(self, name: str) -> None:
         self._dispatch_workers([name])
@@ -366,7 +373,7 @@ class EngineCore:
                 self.on_plans(plans, time.perf_counter() - started)
             for name, plan in plans.items():
                 self.last_plans[name] = plan
-                lanes[name].submit(plan)
+                lanes[name].submit(slots[name].handle, plan)
             names = list(plans)
 
     def close(self) -> None:

@@ -54,7 +54,11 @@ return 0
 class WorkerLeases:
     """The workers of one scheduler (``consumer``), added to and removed from ``core`` as they come,
     go, or change hands; ``metrics`` (a ``SchedulerMetrics``, optional) learns the model name and
-    forgets departed workers; ``io``: the ``grpc_worker.IOLoop`` of their streams (default: shared)."""
+    forgets departed workers; ``io``: the ``grpc_worker.IOLoop`` of their streams (default: shared).
+
+    Each worker's ``GrpcWorker`` handle is held by the core's registry alone (``core.workers``); this
+    class closes it when it stops driving the worker, or, for one the core dropped as lost, when it
+    takes it back (``EngineCore.take_lost``) at the next discovery."""
 
     def __init__(
         self, r: redis.Redis, consumer: str, core: EngineCore, metrics=None, io: IOLoop | None = None
@@ -65,7 +69,6 @@ class WorkerLeases:
         self.core = core
         self.metrics = metrics
         self.leased: set[str] = set()  # workers this scheduler holds a lease on
-        self._handles: dict[str, GrpcWorker] = {}  # their handles (closed by ``drop``)
         self._lost: set[str] = set()  # leases the heartbeat could not renew (another took them)
         self._renew = r.register_script(_RENEW_LUA)
         self._release = r.register_script(_RELEASE_LUA)
@@ -101,6 +104,7 @@ class WorkerLeases:
         lost; claim unleased workers up to this scheduler's share; give an idle worker back when
         holding more than the share. ``reply``: as ``read_records``."""
         records, live = self.read_records(reply)
+        self._close_lost()
         for wid in [w for w in self.leased if w not in self.core.workers]:
             # the core dropped it (its stream broke with plans in flight): release the lease, so the
             # claims below (this scheduler's or another's) can take it again once it is back
@@ -145,11 +149,16 @@ class WorkerLeases:
             self._release(keys=[lease], args=[self.consumer])
             return
         self.leased.add(wid)
-        self._handles[wid] = handle
         if self.metrics is not None:
             self.metrics.set_model(rec.model)
         self.core.scheduler.eos_token_ids = set(rec.eos_token_ids)
-        self.core.add_worker(wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget)
+        try:
+            self.core.add_worker(
+                wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
+            )
+        except Exception:
+            handle.close()  # held nowhere else; the next discovery releases the lease
+            raise
         log.info(
             "worker %s joined at %s (%d blocks, budget %d)",
             wid,
@@ -160,7 +169,7 @@ class WorkerLeases:
 
     def drop(self, wid: str) -> None:
         """Stop driving ``wid``: its sequences recompute on other workers; its lease is released."""
-        handle = self._handles.pop(wid, None) or self.core.workers.get(wid)
+        handle = self.core.workers.get(wid)
         self.core.remove_worker(wid)
         if self.metrics is not None:
             self.metrics.drop_worker(wid)
@@ -169,6 +178,12 @@ class WorkerLeases:
         if wid in self.leased:
             self.leased.discard(wid)
             self._release(keys=[messages.worker_lease_key(wid)], args=[self.consumer])
+
+    def _close_lost(self) -> None:
+        """Close the streams of the workers the core dropped as lost (their leases are released by
+        ``discover`` / ``release_all``)."""
+        for handle in self.core.take_lost().values():
+            handle.close()
 
     def renew(self) -> None:
         """Extend every lease this scheduler holds, in one round trip; a lease another scheduler
@@ -210,6 +225,7 @@ class WorkerLeases:
 
     def release_all(self) -> None:
         """Give up every worker (a clean stop: other schedulers take them over at once)."""
+        self._close_lost()
         for wid in list(self.leased):
             try:
                 self.drop(wid)

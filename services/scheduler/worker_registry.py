@@ -1,5 +1,6 @@
 """The one registry of a scheduler's workers: each worker's ``WorkerSlot`` (capacity, running
-sequences, plans in flight, handle) by name, in registration order, and what is derived from them."""
+sequences, plans in flight, handle) by name, in registration order, and what is derived from them.
+A worker's handle is held here once (``WorkerSlot.handle``); ``EngineCore.workers`` is its view."""
 
 from __future__ import annotations
 

@@ -35,8 +35,9 @@ class InFlight:
 class WorkerSlot:
     """One worker as the engine sees it: capacity, running sequences, plans in flight, its handle.
 
-    handle: how plans reach the worker (``fuseserve.scheduler.engine_core.WorkerHandle``); None for
-        a scheduler used without transport.
+    handle: how plans reach the worker (``fuseserve.scheduler.engine_core.WorkerHandle``), held here
+        only: the engine core's lanes and the service's leases look it up; None for a scheduler used
+        without transport.
     num_steps: plans sent so far; the next plan's ``step_id`` (a worker runs plans in step order).
     step_time: measured seconds per pass against tokens per pass (placement).
     latency: predicted seconds of a pass of a given shape, corrected from measured passes (used with
