@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from fuseserve.gateway.metrics import GatewayMetrics
-from fuseserve.scheduler.metrics import SchedulerMetrics
-from fuseserve.worker.metrics import WorkerMetrics, pass_size_label
+from fuseserve.gateway.gateway_metrics import GatewayMetrics
+from fuseserve.scheduler.scheduler_metrics import SchedulerMetrics
+from fuseserve.worker.worker_metrics import WorkerMetrics, pass_size_label
 
 MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
 _NAME_RE = re.compile(r"\bfuseserve_[a-z0-9_]+")

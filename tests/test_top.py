@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import generate_latest
 
-from fuseserve.gateway.metrics import GatewayMetrics
+from fuseserve.gateway.gateway_metrics import GatewayMetrics
 from fuseserve.top import Snapshot, frame, histogram_quantile, parse
-from fuseserve.worker.metrics import WorkerMetrics
+from fuseserve.worker.worker_metrics import WorkerMetrics
 
 
 def test_histogram_quantile_interpolates_like_prometheus():

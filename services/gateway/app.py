@@ -46,9 +46,9 @@ from fuseserve.gateway.errors import (
     install_handlers,
     validation_error,
 )
+from fuseserve.gateway.gateway_metrics import GatewayMetrics, MetricsMiddleware
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
 from fuseserve.gateway.limits import Limiter, install_guards
-from fuseserve.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from fuseserve.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

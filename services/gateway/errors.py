@@ -122,7 +122,7 @@ def validation_error(exc: ValidationError | RequestValidationError) -> InvalidRe
 
 def install_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda _status: None) -> None:
     """Register the exception handlers; ``on_error(status)`` is called for every error answered
-    (the gateway's statuses are counted by ``metrics.MetricsMiddleware`` instead)."""
+    (the gateway's statuses are counted by ``gateway_metrics.MetricsMiddleware`` instead)."""
 
     @app.exception_handler(FuseServeError)
     async def _typed(request: Request, exc: FuseServeError) -> JSONResponse:

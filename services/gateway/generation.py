@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fuseserve.frontend.output import Delta, OutputState
 from fuseserve.gateway.errors import SchedulerRejectedError
-from fuseserve.gateway.metrics import GatewayMetrics
+from fuseserve.gateway.gateway_metrics import GatewayMetrics
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import RequestMessage
 from fuseserve.types import TokenEvent

@@ -49,9 +49,9 @@ from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler import drain, engine_loop, heartbeat, redis_io
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import IOLoop
-from fuseserve.scheduler.metrics import SchedulerMetrics
 from fuseserve.scheduler.redis_io import RedisInbox
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
+from fuseserve.scheduler.scheduler_metrics import SchedulerMetrics
 from fuseserve.scheduler.sequence import FinishReason, Sequence
 from fuseserve.scheduler.worker_leases import WorkerLeases
 

@@ -34,7 +34,7 @@ from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
 from fuseserve.types import StepPlan
-from fuseserve.worker.metrics import WorkerMetrics
+from fuseserve.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
