@@ -31,7 +31,7 @@ def compile_all() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fuseserve.kernels import triton_attention as tri
+    from fuseserve.kernels import triton_attention_kernel, triton_kv_write
 
     def build(fn, arch, types, consts):
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -45,15 +45,15 @@ def compile_all() -> None:
         types |= dict.fromkeys(
             ("block_tables_ptr", "qb_seq_ptr", "qb_start_ptr", "cu_q_ptr", "ctx_ptr"), "*i32"
         )
-        build(tri._paged_attention_kernel, arch, types, consts)
+        build(triton_attention_kernel._paged_attention_kernel, arch, types, consts)
     build(
-        tri._write_kv_kernel,
+        triton_kv_write._write_kv_kernel,
         90,
         dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"), "*bf16") | {"slot_ptr": "*i64"},
         dict(HEAD_DIM=64, ROW=192, ROW_PAD=256, PAGE=16, BLOCK_T=16),
     )
     build(
-        tri._merge_splits_kernel,
+        triton_attention_kernel._merge_splits_kernel,
         90,
         {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
         dict(HEAD_DIM=64, D_PAD=64, SPLITS_PAD=4),

@@ -190,10 +190,10 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
 
     def __init__(self):
-        from fuseserve.kernels import flash_attn, triton_attention
+        from fuseserve.kernels import flash_attn, triton_kv_write
 
         self._flash = flash_attn
-        self._write_kv = triton_attention.write_kv
+        self._write_kv = triton_kv_write.write_kv
 
     def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
         return self._flash.plan_attention(
