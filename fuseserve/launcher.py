@@ -4,7 +4,7 @@ Starts Redis (``REDIS_URL``, a ``redis-server`` on PATH, or the one shipped in `
 scheduler(s) (``--schedulers``), ``--workers`` workers and the gateway as child processes running the same sub-commands
 the Docker Compose file runs; prints the endpoint once a worker is registered and the gateway
 answers; stops everything on Ctrl-C / SIGTERM: the children drain (``--drain-timeout``, see
-``fuseserve.drain``) and exit; a second Ctrl-C makes them stop at once. Redis requires the password generated for it; the
+``fuseserve.drain_signal``) and exit; a second Ctrl-C makes them stop at once. Redis requires the password generated for it; the
 children get it (and the gateway its API key, with ``--api-key``) through their environment
 (``FUSESERVE_REDIS_PASSWORD``, ``FUSESERVE_API_KEY``), never on a command line. Each worker serves Prometheus metrics on a free port,
 named in its Redis record. With ``--simulate PRESET`` the workers are simulated (``fuseserve worker

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from fuseserve import messages
-from fuseserve.drain import DrainSignal
-from fuseserve.scheduler import drain as scheduler_drain
+from fuseserve.drain_signal import DrainSignal
+from fuseserve.scheduler import scheduler_drain
 from fuseserve.worker.server import wait_drained
 
 

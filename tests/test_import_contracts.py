@@ -30,7 +30,7 @@ SCHEDULER_SHELL = {
     "grpc_worker",
     "heartbeat",
     "worker_leases",
-    "drain",
+    "scheduler_drain",
     "scheduler_metrics",
 }
 """The scheduler's I/O modules (Redis, gRPC, Prometheus); every other module is the planner."""

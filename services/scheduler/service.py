@@ -42,11 +42,11 @@ import redis
 
 from fuseserve import messages
 from fuseserve.config import EngineConfig
-from fuseserve.drain import DrainSignal
+from fuseserve.drain_signal import DrainSignal
 from fuseserve.errors import FuseServeError
 from fuseserve.options import from_cli_args
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.scheduler import drain, engine_loop, heartbeat, redis_io
+from fuseserve.scheduler import engine_loop, heartbeat, redis_io, scheduler_drain
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.grpc_worker import IOLoop
 from fuseserve.scheduler.redis_io import RedisInbox
@@ -347,14 +347,14 @@ class SchedulerService:
             self._publish_events(self.scheduler.fail_waiting("no worker is available", 503))
 
     def close(self) -> None:
-        """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished
-        requests back (``drain.hand_back``) and release its worker leases, so others take over at once."""
+        """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished requests
+        back (``scheduler_drain.hand_back``) and release its worker leases, so others take over at once."""
         if self._heartbeat is not None:
             self._heartbeat.join()
         try:
             self.r.delete(messages.scheduler_live_key(self.consumer))
             if self.owners:
-                log.info("handed %d unfinished requests back", drain.hand_back(self))
+                log.info("handed %d unfinished requests back", scheduler_drain.hand_back(self))
         except redis.RedisError as e:
             log.warning("could not hand requests back (%s); they are claimed once idle", e)
         self.leases.release_all()
@@ -391,8 +391,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     config = from_cli_args(EngineConfig, args)  # the engine options the scheduler offers
     service = SchedulerService(args.redis_url, config, metrics_port=args.metrics_port)
     stop = threading.Event()
-    signals = DrainSignal(args.drain_timeout).install()
-    threading.Thread(target=drain.watch, args=(service, signals, stop), name="drain", daemon=True).start()
+    watched = (service, DrainSignal(args.drain_timeout).install(), stop)
+    threading.Thread(target=scheduler_drain.watch, args=watched, name="drain", daemon=True).start()
     print("fuseserve scheduler ready", flush=True)
     service.run(stop)
     service.close()

@@ -9,7 +9,7 @@ model, sizes its KV cache, chooses its token budget (profiling, cached), serves
 (``sim_runner.py``): no model, no torch; the token budget defaults to the preset's knee and the KV
 blocks to its capacity (or ``--kv-cache-memory`` at the preset's bytes per token).
 
-SIGTERM drains the worker (``fuseserve.drain``; ``--drain-timeout``): its record says ``draining``, so
+SIGTERM drains the worker (``fuseserve.drain_signal``; ``--drain-timeout``): its record says ``draining``, so
 its scheduler places no new sequence on it; it serves its running sequences to their end, then
 deletes its record and exits 0. At the deadline (or a second signal) it deletes its record and stops
 serving: the sequences still on it recompute on other workers (the scheduler's lost-worker path).
@@ -29,7 +29,7 @@ from concurrent import futures
 import grpc
 
 from fuseserve import messages
-from fuseserve.drain import DrainSignal
+from fuseserve.drain_signal import DrainSignal
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc

@@ -22,7 +22,7 @@ import threading
 import redis
 
 from fuseserve import messages
-from fuseserve.drain import DrainSignal
+from fuseserve.drain_signal import DrainSignal
 
 log = logging.getLogger(__name__)
 
