@@ -17,13 +17,8 @@ from transformers import (
 
 from fuseserve.errors import InvalidParameterError, InvalidRequestError
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.worker.sampler import (
-    Sampler,
-    SeqSamplingState,
-    apply_penalties,
-    apply_warpers,
-    process_logits,
-)
+from fuseserve.worker.logits_processors import apply_penalties, apply_warpers, process_logits
+from fuseserve.worker.sampler import Sampler, SeqSamplingState
 
 V = 257
 
