@@ -177,6 +177,15 @@ class SamplingParams:
         Raises:
             InvalidParameterError: naming the first offending parameter, its value and the range.
         """
+        self._validate_lengths()
+        self._validate_sampling()
+        self._validate_stops()
+        self._validate_outputs()
+        self._validate_constraints()
+        return self
+
+    def _validate_lengths(self) -> None:
+        """``max_new_tokens`` and ``min_new_tokens``."""
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidParameterError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -185,6 +194,9 @@ class SamplingParams:
                 self.min_new_tokens,
                 f"an integer in [0, max_new_tokens={self.max_new_tokens}]",
             )
+
+    def _validate_sampling(self) -> None:
+        """The distribution's parameters: temperature, top_k, top_p, min_p, penalties, seed."""
         if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise InvalidParameterError(
                 "temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
@@ -208,6 +220,9 @@ class SamplingParams:
                 raise InvalidParameterError(name, value, "a number in [-2, 2]")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise InvalidParameterError("seed", self.seed, "null or a signed 64-bit integer")
+
+    def _validate_stops(self) -> None:
+        """``stop``, ``stop_token_ids`` and ``ignore_eos``."""
         if (
             not isinstance(self.stop, (list, tuple))
             or len(self.stop) > MAX_STOP_STRINGS
@@ -224,6 +239,9 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameterError("ignore_eos", self.ignore_eos, "true or false")
+
+    def _validate_outputs(self) -> None:
+        """What is returned: ``logprobs``, ``prompt_logprobs``, ``include_stop_str_in_output``."""
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
@@ -240,8 +258,6 @@ class SamplingParams:
             raise InvalidParameterError(
                 "include_stop_str_in_output", self.include_stop_str_in_output, "true or false"
             )
-        self._validate_constraints()
-        return self
 
     def _validate_constraints(self) -> None:
         """Types and ranges of the structured-output fields and ``logit_bias`` (not compilation)."""
