@@ -134,7 +134,19 @@ def frame(prev: Snapshot, cur: Snapshot) -> dict:
     latencies in seconds (None: no token in the interval), rates per second, KV as a fraction.
     """
     dt = max(cur.taken_at - prev.taken_at, 1e-9)
-    g, pg = cur.gateway, prev.gateway
+    workers = [
+        _worker_frame(url, w, prev.workers.get(url, {}), dt) for url, w in sorted(cur.workers.items()) if w
+    ]
+    return {
+        "gateway": _gateway_frame(prev.gateway, cur.gateway, dt),
+        "scheduler": _scheduler_frame(prev, cur),
+        "workers": workers,
+        "errors": cur.errors,
+    }
+
+
+def _gateway_frame(pg: Series, g: Series, dt: float) -> dict:
+    """The gateway's row: requests in flight, rates per second over ``dt`` seconds, p95 latencies."""
 
     def rate(name: str, **match: str) -> float:
         return max(0.0, total(g, name, **match) - total(pg, name, **match)) / dt
@@ -142,6 +154,21 @@ def frame(prev: Snapshot, cur: Snapshot) -> dict:
     def p95(name: str) -> float | None:
         return histogram_quantile(0.95, bucket_delta(g, pg, name))
 
+    return {
+        "in_flight": total(g, "fuseserve_num_requests_in_flight"),
+        "requests_per_s": rate("fuseserve_http_requests_total"),
+        "tokens_per_s": rate("fuseserve_generation_tokens_total"),
+        "ttft_p95": p95("fuseserve_time_to_first_token_seconds"),
+        "itl_p95": p95("fuseserve_inter_token_latency_seconds"),
+        "e2e_p95": p95("fuseserve_e2e_request_latency_seconds"),
+        "aborts": total(g, "fuseserve_request_success_total", finished_reason="abort"),
+        "errors": total(g, "fuseserve_request_success_total", finished_reason="error"),
+    }
+
+
+def _scheduler_frame(prev: Snapshot, cur: Snapshot) -> dict:
+    """The schedulers' row, summed over those that answered: queues, workers, preemptions, and how
+    full the interval's passes were (mean tokens per pass over the mean token budget; None: no pass)."""
     sched = [s for s in cur.schedulers.values() if s]
     iter_sum = sum(total(s, "fuseserve_iteration_tokens_total_sum") for s in sched)
     iter_count = sum(total(s, "fuseserve_iteration_tokens_total_count") for s in sched)
@@ -149,52 +176,34 @@ def frame(prev: Snapshot, cur: Snapshot) -> dict:
     iter_sum -= sum(total(s, "fuseserve_iteration_tokens_total_sum") for s in prev_sched)
     iter_count -= sum(total(s, "fuseserve_iteration_tokens_total_count") for s in prev_sched)
     budgets = [v for s in sched for (n, _), v in s.items() if n == "fuseserve_token_budget"]
-    workers = []
-    for url, w in sorted(cur.workers.items()):
-        if not w:
-            continue
-        pw = prev.workers.get(url, {})
-        name = next((dict(lb).get("worker") for (n, lb) in w if n == "fuseserve_kv_cache_blocks_total"), url)
-        busy = total(w, "fuseserve_forward_time_seconds_sum") - total(
-            pw, "fuseserve_forward_time_seconds_sum"
-        )
-        passes = total(w, "fuseserve_forward_time_seconds_count") - total(
-            pw, "fuseserve_forward_time_seconds_count"
-        )
-        workers.append(
-            {
-                "worker": name,
-                "kv_usage": total(w, "fuseserve_kv_cache_usage_perc"),
-                "blocks_used": int(total(w, "fuseserve_kv_cache_blocks_used")),
-                "blocks_total": int(total(w, "fuseserve_kv_cache_blocks_total")),
-                "passes_per_s": max(0.0, passes) / dt,
-                "busy": max(0.0, busy) / dt,
-                "memory_bytes": total(w, "fuseserve_device_memory_used_bytes"),
-            }
-        )
     return {
-        "gateway": {
-            "in_flight": total(g, "fuseserve_num_requests_in_flight"),
-            "requests_per_s": rate("fuseserve_http_requests_total"),
-            "tokens_per_s": rate("fuseserve_generation_tokens_total"),
-            "ttft_p95": p95("fuseserve_time_to_first_token_seconds"),
-            "itl_p95": p95("fuseserve_inter_token_latency_seconds"),
-            "e2e_p95": p95("fuseserve_e2e_request_latency_seconds"),
-            "aborts": total(g, "fuseserve_request_success_total", finished_reason="abort"),
-            "errors": total(g, "fuseserve_request_success_total", finished_reason="error"),
-        },
-        "scheduler": {
-            "schedulers": len(sched),
-            "waiting": sum(total(s, "fuseserve_num_requests_waiting") for s in sched),
-            "running": sum(total(s, "fuseserve_num_requests_running") for s in sched),
-            "workers": sum(total(s, "fuseserve_num_workers") for s in sched),
-            "preemptions": sum(total(s, "fuseserve_num_preemptions_total") for s in sched),
-            "pass_fullness": (iter_sum / iter_count / (sum(budgets) / len(budgets)))
-            if iter_count > 0 and budgets
-            else None,
-        },
-        "workers": workers,
-        "errors": cur.errors,
+        "schedulers": len(sched),
+        "waiting": sum(total(s, "fuseserve_num_requests_waiting") for s in sched),
+        "running": sum(total(s, "fuseserve_num_requests_running") for s in sched),
+        "workers": sum(total(s, "fuseserve_num_workers") for s in sched),
+        "preemptions": sum(total(s, "fuseserve_num_preemptions_total") for s in sched),
+        "pass_fullness": (iter_sum / iter_count / (sum(budgets) / len(budgets)))
+        if iter_count > 0 and budgets
+        else None,
+    }
+
+
+def _worker_frame(url: str, w: Series, pw: Series, dt: float) -> dict:
+    """One worker's row (named by its ``worker`` label, else its URL): KV use, passes per second and
+    the fraction of ``dt`` spent in forward passes, device memory in bytes."""
+    name = next((dict(lb).get("worker") for (n, lb) in w if n == "fuseserve_kv_cache_blocks_total"), url)
+    busy = total(w, "fuseserve_forward_time_seconds_sum") - total(pw, "fuseserve_forward_time_seconds_sum")
+    passes = total(w, "fuseserve_forward_time_seconds_count") - total(
+        pw, "fuseserve_forward_time_seconds_count"
+    )
+    return {
+        "worker": name,
+        "kv_usage": total(w, "fuseserve_kv_cache_usage_perc"),
+        "blocks_used": int(total(w, "fuseserve_kv_cache_blocks_used")),
+        "blocks_total": int(total(w, "fuseserve_kv_cache_blocks_total")),
+        "passes_per_s": max(0.0, passes) / dt,
+        "busy": max(0.0, busy) / dt,
+        "memory_bytes": total(w, "fuseserve_device_memory_used_bytes"),
     }
 
 
