@@ -245,10 +245,19 @@ def get_backend(
     ``InvalidParameterError`` for an unknown name, ``AttentionBackendUnavailableError`` when a forced
     backend cannot run here.
     """
-    from fuseserve.kernels import flash_attn
-
     if name not in ATTENTION_BACKENDS:
         raise InvalidParameterError("attention_backend", name, ", ".join(ATTENTION_BACKENDS))
+    if name == "auto":
+        return _auto_backend(device, block_size, dtype)
+    return _forced_backend(name, device, block_size, dtype)
+
+
+def _forced_backend(
+    name: str, device: torch.device | None, block_size: int | None, dtype: torch.dtype | None
+) -> AttentionBackend:
+    """The backend ``name`` (not ``auto``); ``AttentionBackendUnavailableError`` when it cannot run here."""
+    from fuseserve.kernels import flash_attn
+
     if name == "torch":
         _log_choice("torch", "forced")
         return TorchAttentionBackend()
@@ -265,15 +274,21 @@ def get_backend(
             raise AttentionBackendUnavailableError(f"attention backend flash-attn: {reason}")
         _log_choice("flash-attn", "forced")
         return FlashAttnBackend()
-    if name == "triton":
-        try:
-            backend = TritonAttentionBackend()
-        except ImportError as e:
-            raise AttentionBackendUnavailableError(f"attention backend triton: {e}") from e
-        _log_choice(
-            "triton", "forced" if device is not None and device.type == "cuda" else "forced, interpreted"
-        )
-        return backend
+    try:  # triton
+        backend = TritonAttentionBackend()
+    except ImportError as e:
+        raise AttentionBackendUnavailableError(f"attention backend triton: {e}") from e
+    _log_choice("triton", "forced" if device is not None and device.type == "cuda" else "forced, interpreted")
+    return backend
+
+
+def _auto_backend(
+    device: torch.device | None, block_size: int | None, dtype: torch.dtype | None
+) -> AttentionBackend:
+    """``auto``: flash-attn, else Triton on CUDA, else (off CPU) the torch reference; on CPU the ``cpu``
+    operator, else the torch reference (warned once)."""
+    from fuseserve.kernels import flash_attn
+
     flash_reason = flash_attn.unsupported_reason(device, block_size, dtype)
     if flash_reason is None:
         _log_choice("flash-attn", "auto")
