@@ -170,7 +170,7 @@ class EngineConfig:
         rate); waiting prompts run earliest deadline first. None: no TTFT deadlines.
     decode_passes: decode passes per plan when a worker's pass holds decodes only and nothing waits
         to be placed (multi-step scheduling, as vLLM v0's ``--num-scheduler-steps``; the worker
-        feeds its own sampled tokens, ``services/worker/multi_pass.py``); 1 (default): one pass per
+        feeds its own sampled tokens, ``services/worker/multi_pass_run.py``); 1 (default): one pass per
         plan.
     tensor_parallel_size: ranks (processes) one worker or pipeline splits the model over
         (``services/worker/tensor_parallel.py``).

@@ -2,7 +2,7 @@
 
 ``check_stop`` is used by the scheduler's postprocess (``Scheduler.postprocess``), its multi-pass
 path (``fuseserve.scheduler.result_applier.ResultApplier``) and the worker's multi-pass loop
-(``fuseserve.worker.multi_pass.run_passes``), so the three agree on when a sequence ends (vLLM's
+(``fuseserve.worker.multi_pass_run.run_passes``), so the three agree on when a sequence ends (vLLM's
 ``check_stop``, ``v1/core/sched/utils.py``). Stop strings are the front end's (``fuseserve/stop.py``).
 """
 

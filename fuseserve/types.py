@@ -50,7 +50,7 @@ class StepPlan:
     """One forward pass for one worker: chunks to run, then sequences to free.
 
     free_seq_ids are released *before* the chunks run (their blocks become usable by this step).
-    num_passes: decode passes to run (multi-step scheduling, ``services/worker/multi_pass.py``); > 1
+    num_passes: decode passes to run (multi-step scheduling, ``services/worker/multi_pass_run.py``); > 1
         only when every chunk is a decode entry (``num_tokens == 1``, ``sample``) whose ``block_ids``
         cover all its passes. Each later pass feeds every sequence the token it sampled last; a
         sequence stops taking passes once it reaches ``max_new_tokens`` or samples a stop token

@@ -139,7 +139,7 @@ def test_worker_runner_broadcasts_plans_and_stops_ranks(tmp_path):
         assert parallel.world() == (0, 2)
         first = SeqChunk(7, 0, len(prompt), prompt, True, SamplingParams(temperature=0.0), len(prompt))
         tokens = [runner.step(with_blocks(runner, StepPlan(0, [first]))).tokens[0].token_id]
-        # a multi-step plan (``multi_pass.run_passes``): 3 passes, each broadcast as one pass; the
+        # a multi-step plan (``multi_pass_run.run_passes``): 3 passes, each broadcast as one pass; the
         # prompt's last block holds their positions
         multi = StepPlan(1, [SeqChunk(7, len(prompt), 1, [], True, None, len(prompt))], num_passes=3)
         result = runner.step(multi)

@@ -3,7 +3,7 @@
 A policy (``fuseserve.scheduler.policies``) drafts the pass: decodes, continuing prompt chunks, new
 prompts admitted from the ``WaitingQueue``; with latency targets the budget of a SplitFuse pass comes
 from ``slo_budget.SLOBudget``; a pass of decodes only may run several passes on the worker
-(``fuseserve.scheduler.multi_pass``). The builder turns the draft into chunks, advances each
+(``fuseserve.scheduler.multi_pass_plan``). The builder turns the draft into chunks, advances each
 sequence's planned counters, hashes the blocks the plan fills into the prefix cache, and marks the
 plan in flight. It owns the preemption rule (rule 3) the policies call.
 """
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 from fuseserve.config import EngineConfig
-from fuseserve.scheduler import multi_pass
+from fuseserve.scheduler import multi_pass_plan
 from fuseserve.scheduler.core_stats import SchedulerCounters
 from fuseserve.scheduler.policies import Draft, Policy, schedule_decodes
 from fuseserve.scheduler.seq_lifecycle import SeqLifecycle
@@ -85,14 +85,14 @@ class PassBuilder:
 
     def _plan(self, slot: WorkerSlot, draft: Draft) -> StepPlan:
         """``draft`` as ``slot``'s next plan, marked in flight."""
-        passes = multi_pass.plan_passes(  # None: one pass (decode_passes = 1)
+        passes = multi_pass_plan.plan_passes(  # None: one pass (decode_passes = 1)
             slot, draft, self.config.decode_passes, self.registry.max_model_len, len(self.queue.waiting)
         )
         hashed: list[int] = []
         chunks = [self._chunk(slot, seq, n, hashed) for seq, n in draft.entries]
         plan = StepPlan(slot.num_steps, chunks, slot.pending_free)
         if passes is not None:
-            multi_pass.advance(draft, passes)
+            multi_pass_plan.advance(draft, passes)
             plan.num_passes = max(passes.values())
         slot.num_steps += 1
         slot.pending_free = []

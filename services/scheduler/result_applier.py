@@ -2,7 +2,7 @@
 
 A result applies to the oldest plan in flight on its worker; tokens of sequences finished, preempted
 or moved since the plan was sent are dropped (a stop learned one pass late leaves one surplus token,
-``fuseserve.scheduler.scheduler``). A multi-pass result (``fuseserve.scheduler.multi_pass``) holds
+``fuseserve.scheduler.scheduler``). A multi-pass result (``fuseserve.scheduler.multi_pass_plan``) holds
 each sequence's tokens in pass order; tokens after a stop are surplus. Every token goes through the
 one stop rule, ``fuseserve.stop_rule.check_stop``.
 """

@@ -21,7 +21,7 @@ and the sequence's blocks are freed with the worker's next plan. Length stops ar
 sequence whose plan in flight reaches ``max_new_tokens`` is not planned again.
 
 With ``decode_passes > 1`` a plan of decodes only may run several passes on the worker
-(multi-step decoding, ``fuseserve.scheduler.multi_pass``).
+(multi-step decoding, ``fuseserve.scheduler.multi_pass_plan``).
 
 ``prefill_first`` (vLLM v0, TGI before chunking) and ``whole_prompt`` (Orca) are the same machinery
 with different choices (``fuseserve.scheduler.policies``).

@@ -21,7 +21,7 @@ class InFlight:
     still running on that worker under the same admission (not preempted, moved or finished since).
     hashed: blocks this plan fills that were added to the prefix cache when it was built.
     num_tokens: tokens in the plan (``plan.num_tokens``, counted once).
-    passes: with ``plan.num_passes > 1``, the passes planned per sequence id (``multi_pass.py``).
+    passes: with ``plan.num_passes > 1``, the passes planned per sequence id (``multi_pass_plan.py``).
     """
 
     plan: StepPlan

@@ -20,7 +20,7 @@ from fuseserve.worker import parallel
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
-from fuseserve.worker.multi_pass import run_passes
+from fuseserve.worker.multi_pass_run import run_passes
 from fuseserve.worker.prompt_logprobs import PromptScorer, ScoreRows
 from fuseserve.worker.ragged_batch import RaggedBatch
 from fuseserve.worker.runner import WorkerInfo
@@ -130,7 +130,7 @@ class ModelRunner:
         self.scorer.free(seq_ids)
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Run ``plan``'s passes (``multi_pass.run_passes``; one unless ``plan.num_passes > 1``)."""
+        """Run ``plan``'s passes (``multi_pass_run.run_passes``; one unless ``plan.num_passes > 1``)."""
         return run_passes(self, plan, self.step_pass)
 
     def step_pass(self, plan: StepPlan) -> StepResult:

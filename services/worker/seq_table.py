@@ -31,7 +31,7 @@ class WorkerSeq:
     sampling: the runner's per-sequence sampling state (penalties' token history, seeded generator,
         parameters); None for a runner that keeps none.
     prompt_len: prompt tokens (penalties tell prompt from generated tokens by it).
-    stopped: a multi-pass plan stopped it on a stop token (``multi_pass.py``); its chunks in plans
+    stopped: a multi-pass plan stopped it on a stop token (``multi_pass_run.py``); its chunks in plans
         built before the scheduler learned so are dropped until it is freed or restarted.
     """
 

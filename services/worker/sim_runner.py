@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SampledToken, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker.latency_model import LatencyModel
-from fuseserve.worker.multi_pass import run_passes
+from fuseserve.worker.multi_pass_run import run_passes
 from fuseserve.worker.runner import WorkerInfo
 from fuseserve.worker.seq_table import SeqTable, WorkerSeq
 
@@ -97,7 +97,7 @@ class SimulatedRunner:
         return self.model.plan_seconds(plan) * self.slowdown if plan.chunks else 0.0
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Run ``plan``'s passes (``multi_pass.run_passes``; one unless ``plan.num_passes > 1``)."""
+        """Run ``plan``'s passes (``multi_pass_run.run_passes``; one unless ``plan.num_passes > 1``)."""
         return run_passes(self, plan, self.step_pass)
 
     def step_pass(self, plan: StepPlan) -> StepResult:

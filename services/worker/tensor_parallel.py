@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from fuseserve.errors import FuseServeError, InvalidParameterError, WorkerLostError
 from fuseserve.types import StepPlan, StepResult
 from fuseserve.worker.model_runner import ModelRunner
-from fuseserve.worker.multi_pass import run_passes
+from fuseserve.worker.multi_pass_run import run_passes
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class TensorParallelRunner:
         return getattr(self.runner, name)
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Run ``plan``'s passes on rank 0 (``multi_pass.run_passes``), each broadcast as a one-pass plan."""
+        """Run ``plan``'s passes on rank 0 (``multi_pass_run.run_passes``), each broadcast as one pass."""
         self._check_ranks()
         return run_passes(self, plan, self._step_pass)
 

@@ -3,7 +3,7 @@
 Every plan costs the scheduler a plan, a round trip, a postprocess and a publish. When a worker's
 pass holds decodes only and nothing waits to be placed, ``plan_passes`` lets the plan run up to
 ``EngineConfig.decode_passes`` passes on the worker, which feeds each sequence its own sampled
-tokens (``services/worker/multi_pass.py``). Rules:
+tokens (``services/worker/multi_pass_run.py``). Rules:
 
 - only when the waiting queue is empty and no sequence of the worker has prompt tokens left, so a
   SplitFuse admission is never delayed by more than the passes already in flight;

@@ -1,7 +1,7 @@
 """Multi-step decoding on the worker: one plan, up to ``plan.num_passes`` decode passes.
 
 The scheduler plans K decode passes at once for a pass of decodes only (``EngineConfig.decode_passes``,
-``services/scheduler/multi_pass.py``; vLLM v0's multi-step scheduling): one plan, one round trip and
+``services/scheduler/multi_pass_plan.py``; vLLM v0's multi-step scheduling): one plan, one round trip and
 one postprocess instead of K. Every runner (``ModelRunner``, ``SimulatedRunner``, the tensor-parallel
 rank 0) runs its plans through ``run_passes``, which runs the plan as the first pass and then, for
 each later pass, a plan of decode entries fed with the tokens just sampled (the runner's own
