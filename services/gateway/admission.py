@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from fuseserve.errors import NoWorkerError, QueueFullError
-from fuseserve.gateway.errors import SchedulerUnavailableError
+from fuseserve.gateway.http_errors import SchedulerUnavailableError
 from fuseserve.messages import (
     SCHEDULER_HEARTBEAT,
     SCHEDULER_STATS_PATTERN,

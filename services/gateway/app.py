@@ -39,15 +39,15 @@ from fuseserve.frontend.model_info import build_encoder, generation_defaults, lo
 from fuseserve.frontend.openai_params import check_n, sampling_params
 from fuseserve.gateway import utilities
 from fuseserve.gateway.admission import Admission
-from fuseserve.gateway.errors import (
+from fuseserve.gateway.gateway_metrics import GatewayMetrics, MetricsMiddleware
+from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
+from fuseserve.gateway.http_errors import (
     ModelNotFoundError,
     RequestTooLargeError,
     error_for,
     install_handlers,
     validation_error,
 )
-from fuseserve.gateway.gateway_metrics import GatewayMetrics, MetricsMiddleware
-from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
 from fuseserve.gateway.limits import Limiter, install_guards
 from fuseserve.gateway.protocol import (
     ChatCompletionRequest,

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fuseserve.config import API_KEY_ENV
 from fuseserve.errors import FuseServeError
-from fuseserve.gateway.errors import error_body
+from fuseserve.gateway.http_errors import error_body
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fuseserve.frontend.output import Delta, OutputState
-from fuseserve.gateway.errors import SchedulerRejectedError
 from fuseserve.gateway.gateway_metrics import GatewayMetrics
+from fuseserve.gateway.http_errors import SchedulerRejectedError
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import RequestMessage
 from fuseserve.types import TokenEvent

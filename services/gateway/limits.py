@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from fuseserve.config import RequestLimits
 from fuseserve.errors import InvalidRequestError
 from fuseserve.gateway.auth import ApiKeyMiddleware, ApiKeys, bearer_token, digest
-from fuseserve.gateway.errors import error_body
+from fuseserve.gateway.http_errors import error_body
 
 log = logging.getLogger(__name__)
 
