@@ -8,7 +8,8 @@ loaded as fp32: converted through the bounded staging buffer).
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig
+from tiny_models import random_model
+from transformers import MixtralConfig
 
 from benchmarks.load_memory import measure
 
@@ -34,7 +35,7 @@ def test_small_mixtral_peak_memory(tmp_path):
         max_position_embeddings=256,
         architectures=["MixtralForCausalLM"],
     )
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    random_model(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
     r = measure(str(tmp_path), "float32")
     assert r["weights_bytes"] > 50e6
     assert r["ratio"] <= LIMIT, r

@@ -5,24 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from tiny_models import llama_config, random_model, write_checkpoint
 
 from fuseserve.errors import ModelLoadError
 from fuseserve.worker.loader import load_model
 
-
-def _config(**kw) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        architectures=["LlamaForCausalLM"],
-        **kw,
-    )
+_config = llama_config
 
 
 def _qkv(model, layer: int = 0) -> torch.Tensor:
@@ -31,8 +19,7 @@ def _qkv(model, layer: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def hf():
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_config()).float().eval()
+    return random_model(_config())
 
 
 def test_sharded_bf16_checkpoint_loads_as_fp32(hf, tmp_path):
@@ -48,7 +35,7 @@ def test_sharded_bf16_checkpoint_loads_as_fp32(hf, tmp_path):
 
 def test_tied_embeddings_share_one_tensor(tmp_path):
     config = _config(tie_word_embeddings=True)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    write_checkpoint(config, tmp_path)
     model = load_model(tmp_path, config, torch.device("cpu"), torch.float32, progress=False)
     assert model.lm_head.weight is model.model.embed_tokens.weight
 

@@ -97,20 +97,9 @@ def test_gguf_hash_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
 
 
 def _tiny_llama_dir(path: pathlib.Path) -> pathlib.Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import llama_config, write_checkpoint
 
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        eos_token_id=5,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    write_checkpoint(llama_config(eos_token_id=5), path)
     return path
 
 

@@ -1,9 +1,12 @@
-"""Tiny random checkpoints of every supported family, built from ``transformers`` configs.
+"""The one builder of tiny random checkpoints for the tests, from ``transformers`` configs.
 
-``tiny_checkpoint(name, path)`` writes one to ``path`` (safetensors, config, a word-level tokenizer of
-the model's vocabulary, a generation config) and returns the ``transformers`` model holding the same
-weights (fp32, eager attention) with its config. Layer norms get random offsets so a weight the loader
-misses shows in the logits.
+- ``tiny_checkpoint(name, path)``: family ``name`` of ``CONFIGS`` written to ``path`` (safetensors,
+  config, a word-level tokenizer of the model's vocabulary, a generation config); returns the
+  ``transformers`` model holding the same weights (fp32, eager attention) with its config. Layer norms
+  get random offsets so a weight the loader misses shows in the logits.
+- ``random_model(config)`` / ``write_checkpoint(config, path)``: any config (``llama_config(**kw)``: a
+  LLaMA smaller still, for loader and model-source tests), seeded, optionally saved in another dtype or
+  sharded.
 """
 
 from __future__ import annotations
@@ -128,17 +131,53 @@ CONFIGS = {
 }
 
 
+def llama_config(**overrides) -> LlamaConfig:
+    """A LLaMA of 2 layers, 4 heads (2 KV heads) of 8, vocabulary 128: loader and model-source tests."""
+    base = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    )
+    return LlamaConfig(**{**base, **overrides})
+
+
+def random_model(config, seed: int = 0, perturb_norms: bool = False, dtype=torch.float32) -> torch.nn.Module:
+    """The ``transformers`` model of ``config`` with seeded random weights (eager attention), in eval mode;
+    ``perturb_norms``: layer norms get random offsets (a weight the loader misses then shows)."""
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype).eval()
+    if perturb_norms:
+        with torch.no_grad():
+            for pname, p in hf.named_parameters():
+                if "norm" in pname:
+                    p.add_(torch.randn_like(p) * 0.1)
+    return hf
+
+
+def write_checkpoint(config, path, seed: int = 0, tokenizer: bool = False, **save) -> torch.nn.Module:
+    """Save ``random_model(config, seed)`` to ``path`` (``save``: ``save_pretrained``'s keywords, e.g.
+    ``max_shard_size``); ``tokenizer``: also the word-level tokenizer. Returns the model."""
+    hf = random_model(config, seed)
+    hf.save_pretrained(path, safe_serialization=True, **save)
+    if tokenizer:
+        _word_tokenizer(config.vocab_size).save_pretrained(path)
+    return hf
+
+
 def tiny_checkpoint(name: str, path) -> tuple[torch.nn.Module, object]:
     """Write family ``name``'s tiny checkpoint to ``path``; returns ``(transformers model, config)``."""
-    torch.manual_seed(0)
     config = CONFIGS[name]()
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():  # make layer norms non-trivial so a missed weight shows
-        for pname, p in hf.named_parameters():
-            if "norm" in pname:
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.startswith("gemma2") and pname.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(8.0)  # attention scores large enough for the soft-cap's tanh to bend them
+    hf = random_model(config, perturb_norms=True).float()
+    if name.startswith("gemma2"):  # attention scores large enough for the soft-cap's tanh to bend them
+        with torch.no_grad():
+            for pname, p in hf.named_parameters():
+                if pname.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(8.0)
     hf.generation_config = GenerationConfig(eos_token_id=EOS, pad_token_id=EOS)
     hf.save_pretrained(path, safe_serialization=True)
     _word_tokenizer(config.vocab_size).save_pretrained(path)
