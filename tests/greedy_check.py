@@ -1,30 +1,49 @@
-"""The greedy-equality rule shared by the end-to-end tests: fuseserve's greedy tokens equal
-``transformers.generate``'s, except that rounding may flip a near-tie.
+"""The greedy-equality rules shared by the end-to-end tests, and the bf16 logit-error check.
 
-A divergence is accepted only where transformers' two candidate logits at that step are within
-``tie_bound`` of each other (fp32: less than ``NEAR_TIE``; bf16: equal or adjacent bf16 values, one
-bf16 step at their magnitude); after it the continuations legitimately differ and are not compared.
+fp32: fuseserve's greedy tokens equal ``transformers.generate``'s, except that rounding may flip a
+near-tie: a divergence is accepted only where transformers' two candidate logits at that step are
+less than ``NEAR_TIE`` apart.
+
+bf16: the two sides round differently, and how depends on the CPU (with or without bf16
+instructions, the matmul kernels oneDNN picks), so a divergence is accepted wherever each side's token
+is among the other side's top ``TOP_K`` at that step (vLLM's ``check_logprobs_close``,
+``tests/models/utils.py``). That alone would pass a worse bf16 implementation, so
+``assert_no_farther_from_fp32`` adds the strong check: teacher-forced on the same tokens, fuseserve's
+bf16 logits are no farther from fp32's than transformers' bf16 logits are.
+
+Under either rule the continuations legitimately differ after the first divergence and are not
+compared.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 NEAR_TIE = 1e-3
+"""fp32: largest accepted gap (exclusive) between transformers' logits of the two candidates."""
 
+TOP_K = 5
+"""bf16: a divergent token must be among the other side's top ``TOP_K`` (as in vLLM's model tests)."""
 
-def tie_bound(dtype: str, logit: float) -> float:
-    """Largest accepted gap between transformers' two candidates: fp32 just under ``NEAR_TIE``; bf16 one
-    step of bf16 (8 significant bits) at the magnitude of ``logit``, ``2 ** (floor(log2 |logit|) - 7)``."""
-    if dtype == "float32":
-        return NEAR_TIE * (1 - 1e-6)
-    return 2.0 ** (math.floor(math.log2(max(abs(logit), 1e-30))) - 7)
+MEAN_SLACK = 1.1
+"""fuseserve's mean |logit - fp32 logit| may be at most this times transformers' (see below)."""
+
+MAX_SLACK = 1.25
+"""fuseserve's max |logit - fp32 logit| may be at most this times transformers' (see below).
+
+Why slack: fuseserve computes as ``transformers`` does (norms, softmax, residual adds, logits at the
+same precision), so the two bf16 errors are draws from the same distribution and either may be the
+larger. Measured, pooled over the greedy steps of a model's prompts (tests/test_bf16_vs_hf.py,
+tests/test_smollm2_greedy.py print them), fuseserve / transformers was 0.82-1.04 on the mean and
+0.80-1.14 on the max (SmolLM2 1.04 / 0.80; opt-prenorm's max 1.14), on AVX-512 with bf16 instructions
+and with ATen and oneDNN held to AVX2 alike. A real precision loss is larger: the RMSNorm computed in
+bf16 instead of fp32 made SmolLM2's ratio 1.18 on the mean and 1.41 on the max. A mixture-of-experts
+router near-tie that one side routes differently at a greedy step would exceed both (none measured).
+"""
 
 
 def hf_greedy(hf, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' greedy tokens for ``ids`` run alone, and its logits ``[vocab]`` at each step."""
+    """transformers' greedy tokens for ``ids`` run alone, and its logits ``[vocab]`` (fp32) at each step."""
     with torch.no_grad():
         g = hf.generate(
             torch.tensor([ids]),
@@ -45,14 +64,75 @@ def assert_matches(
     dtype: str = "float32",
     *,
     what: str,
+    our_top: list[list[int]] | None = None,
 ) -> None:
-    """Assert the greedy rule for one prompt; ``dtype`` is the one both sides ran in."""
+    """Assert the greedy rule of ``dtype`` (the one both sides ran in) for one prompt.
+
+    ours: fuseserve's tokens. ref_tokens, ref_logits: transformers' tokens and logits ``[vocab]`` per
+    step (``hf_greedy``). our_top: bf16 only, required there: fuseserve's top ``TOP_K`` token ids per
+    step, most likely first (the pipeline's ``logprobs=TOP_K``, ``Response.top_logprobs``).
+    """
     for i, (a, b) in enumerate(zip(ours, ref_tokens, strict=False)):
         if a != b:
-            gap = (ref_logits[i][b] - ref_logits[i][a]).abs().item()
-            assert gap <= tie_bound(dtype, ref_logits[i][b].item()), (
-                f"{what}: token {i} is {a}, transformers {b}, logit gap {gap:.2e} (not a near-tie)"
-            )
-            print(f"{what}: accepted near-tie flip at token {i} (logit gap {gap:.3g})")
-            return  # after an accepted near-tie flip the continuations legitimately differ
+            if dtype == "float32":
+                _assert_near_tie(i, a, b, ref_logits[i], what)
+            else:
+                if our_top is None:
+                    raise ValueError(f"{what}: the {dtype} rule needs fuseserve's top-{TOP_K} (our_top)")
+                _assert_in_top_k(i, a, b, our_top[i], ref_logits[i], what)
+            return  # after an accepted divergence the continuations legitimately differ
     assert len(ours) == len(ref_tokens), f"{what}: {len(ours)} tokens, transformers {len(ref_tokens)}"
+
+
+def _assert_near_tie(i: int, a: int, b: int, ref_logits: torch.Tensor, what: str) -> None:
+    """fp32: fuseserve chose ``a`` and transformers ``b`` at step ``i``; their logits must be a near-tie."""
+    gap = (ref_logits[b] - ref_logits[a]).abs().item()
+    assert gap <= NEAR_TIE * (1 - 1e-6), (
+        f"{what}: token {i} is {a}, transformers {b}, logit gap {gap:.2e} (not a near-tie)"
+    )
+    print(f"{what}: accepted near-tie flip at token {i} (logit gap {gap:.3g})")
+
+
+def _assert_in_top_k(i: int, a: int, b: int, our_top: list[int], ref_logits: torch.Tensor, what: str) -> None:
+    """bf16: fuseserve chose ``a`` and transformers ``b`` at step ``i``; ``b`` must be in fuseserve's
+    top ``TOP_K`` and ``a`` in transformers' (by value: a logit tied with the ``TOP_K``-th counts)."""
+    kth = ref_logits.topk(TOP_K).values[-1]
+    gap = (ref_logits[b] - ref_logits[a]).item()
+    assert b in our_top[:TOP_K] and ref_logits[a] >= kth, (
+        f"{what}: token {i} is {a}, transformers {b} (logit gap {gap:.3g} in transformers); "
+        f"fuseserve's top-{TOP_K} {our_top[:TOP_K]}, transformers' {ref_logits.topk(TOP_K).indices.tolist()}"
+    )
+    rank = our_top.index(b) + 1
+    print(
+        f"{what}: accepted top-{TOP_K} divergence at token {i} (transformers' token is fuseserve's "
+        f"#{rank}; logit gap {gap:.3g} in transformers)"
+    )
+
+
+def assert_no_farther_from_fp32(
+    ours: torch.Tensor, theirs: torch.Tensor, fp32: torch.Tensor, *, what: str
+) -> tuple[float, float, float, float]:
+    """Assert fuseserve's bf16 logits are no farther from the fp32 reference than transformers' bf16.
+
+    ours, theirs, fp32: logits ``[steps, vocab]`` (fp32 tensors) of fuseserve in bf16, transformers in
+    bf16 and the fp32 reference, all teacher-forced on the same tokens. Prints and returns
+    ``(ours_mean, ours_max, theirs_mean, theirs_max)`` of the absolute errors; fuseserve's may exceed
+    transformers' by ``MEAN_SLACK`` / ``MAX_SLACK`` at most (why: ``MAX_SLACK``).
+    """
+    assert ours.shape == theirs.shape == fp32.shape, (ours.shape, theirs.shape, fp32.shape)
+    ours_err, theirs_err = (ours - fp32).abs(), (theirs - fp32).abs()
+    o_mean, o_max = ours_err.mean().item(), ours_err.max().item()
+    t_mean, t_max = theirs_err.mean().item(), theirs_err.max().item()
+    print(
+        f"{what}: |bf16 - fp32| logits over {ours.shape[0]} steps: fuseserve mean {o_mean:.3e} max "
+        f"{o_max:.3e}; transformers mean {t_mean:.3e} max {t_max:.3e} (ratio {o_mean / t_mean:.3f} / "
+        f"{o_max / t_max:.3f})"
+    )
+    assert t_mean > 0, f"{what}: transformers' bf16 logits equal fp32's: bf16 did not run"
+    assert o_mean <= MEAN_SLACK * t_mean, (
+        f"{what}: fuseserve's mean error {o_mean:.3e} > {MEAN_SLACK} x {t_mean:.3e}"
+    )
+    assert o_max <= MAX_SLACK * t_max, (
+        f"{what}: fuseserve's max error {o_max:.3e} > {MAX_SLACK} x {t_max:.3e}"
+    )
+    return o_mean, o_max, t_mean, t_max
