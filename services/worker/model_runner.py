@@ -63,19 +63,8 @@ class ModelRunner:
         self.backend = backend or get_backend(
             self.config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
         )
-        args = self.model.args
-        layers, head_dim = args.num_layers, args.head_dim
-        kv_heads = parallel.kv_heads_per_rank(args.num_kv_heads)  # this rank's (all without TP)
-        memory = self._kv_memory_bytes()
-        num_blocks = KVCache.num_blocks_for(memory, layers, self.block_size, kv_heads, head_dim, self.dtype)
-        if num_blocks < 1:
-            need = bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
-            raise KVCacheTooSmallError(
-                f"kv_cache_memory={memory} bytes holds no block (one block needs {need})"
-            )
-        self.kv_cache = KVCache(
-            layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device
-        )
+        self.kv_cache = self._allocate_kv_cache()
+        num_blocks = self.kv_cache.num_blocks
         self.seq_table = SeqTable(
             num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
         )
@@ -83,6 +72,7 @@ class ModelRunner:
         self.scorer = PromptScorer()  # prompt logprobs (scoring); see prompt_logprobs.py
         self._score_rows: list[ScoreRows] = []  # prepare → run_pass: rows to score this pass
         self._scored: list[PromptLogprobs] = []  # run_pass → step: prompt logprobs of this pass
+        args = self.model.args
         self.vocab_size = args.vocab_size
         self.sampler = Sampler(
             eos_token_ids,
@@ -98,14 +88,30 @@ class ModelRunner:
             str(self.device),
             str(self.dtype).split(".")[-1],
         )
+
+    def _allocate_kv_cache(self) -> KVCache:
+        """The paged KV cache of this rank's KV heads, as many blocks as ``_kv_memory_bytes`` holds;
+        logs its size. Raises ``KVCacheTooSmallError`` when that memory holds no block."""
+        args = self.model.args
+        layers, head_dim = args.num_layers, args.head_dim
+        kv_heads = parallel.kv_heads_per_rank(args.num_kv_heads)  # this rank's (all without TP)
+        memory = self._kv_memory_bytes()
+        num_blocks = KVCache.num_blocks_for(memory, layers, self.block_size, kv_heads, head_dim, self.dtype)
+        if num_blocks < 1:
+            need = bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
+            raise KVCacheTooSmallError(
+                f"kv_cache_memory={memory} bytes holds no block (one block needs {need})"
+            )
+        kv_cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device)
         log.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB) on %s %s",
             num_blocks,
             self.block_size,
             memory / 2**20,
             self.device,
-            self.info.dtype,
+            str(self.dtype).split(".")[-1],
         )
+        return kv_cache
 
     def _kv_memory_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
