@@ -1,5 +1,6 @@
 """The layering contracts (``pyproject.toml`` ``[tool.importlinter]``; ``docs/architecture.md``,
-"Layering") hold on the working tree, and each breaks when a forbidden import is added.
+"Layering") hold on the working tree, and each breaks when a forbidden import is added; no two product
+modules share a file name.
 
 import-linter finds a package's modules under the package's folder, but the import names map onto
 other folders (``setup.py`` ``ROOTS``: ``fuseserve.gateway`` is ``services/gateway``, ...), so it runs
@@ -105,6 +106,18 @@ def test_the_planner_and_the_shell_cover_the_scheduler():
     modules = {p.stem for p in (ROOT / ROOTS["fuseserve.scheduler"]).glob("*.py")} - {"__init__"}
     assert planner.isdisjoint(SCHEDULER_SHELL)
     assert modules == planner | SCHEDULER_SHELL
+
+
+def test_no_two_product_modules_share_a_name():
+    """A module's file name says what it holds, once: no two modules under the import roots share a
+    file name (``__init__.py`` aside), as three ``metrics.py`` once did."""
+    paths: dict[str, set[str]] = {}
+    for folder in ROOTS.values():
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name != "__init__.py" and "__pycache__" not in path.parts:
+                paths.setdefault(path.name, set()).add(path.relative_to(ROOT).as_posix())
+    assert len(paths) > 50  # the walk found the modules
+    assert {name: sorted(found) for name, found in paths.items() if len(found) > 1} == {}
 
 
 def test_each_shell_module_does_io(tmp_path):
