@@ -26,6 +26,7 @@ SUBCOMMANDS = {"gateway", "scheduler", "worker"}
 """`fuseserve <subcommand>` names the stack runs (the CLI contract)."""
 FLAGS = {
     "--redis-url",
+    "--log-level",  # accepted after every sub-command (fuseserve/cli.py)
     "--model",
     "--host",
     "--port",
@@ -60,7 +61,15 @@ def _argv(service: dict) -> list[str]:
 # ------------------------------------------------------------------------------------ compose file
 def test_compose_services(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "gateway", "scheduler", "worker", "prometheus", "grafana"}
+    assert set(services) == {
+        "redis",
+        "convert-model",
+        "gateway",
+        "scheduler",
+        "worker",
+        "prometheus",
+        "grafana",
+    }
     assert services["redis"]["image"].split(":-")[-1].startswith("redis:")  # ${REDIS_IMAGE:-redis:...}
     for name, service in services.items():
         assert "healthcheck" in service, f"{name} has no healthcheck"
