@@ -150,6 +150,8 @@ class TensorParallelRunner:
             os._exit(RANK_LOST_EXIT_CODE)
         log.error("%s; the model runner stops", why)
         self.lost, self._closed = why, True
+        if dist.is_initialized():  # this process goes on: later runners must not see a 2-rank group
+            dist.destroy_process_group()
 
 
 def load_runner(
