@@ -66,7 +66,8 @@ if [ "$ENGINE" = podman ]; then
   # OCI images have no HEALTHCHECK: ask for the Docker format. The runtime settings (rlimits, runc)
   # that compose uses apply to the build's RUN steps too.
   BUILD_FLAGS+=(--format docker)
-  export CONTAINERS_CONF=${CONTAINERS_CONF:-$ROOT/deploy/podman/containers.conf}
+  CONTAINERS_CONF=$(realpath "${CONTAINERS_CONF:-$ROOT/deploy/podman/containers.conf}")  # read from other folders too
+  export CONTAINERS_CONF
 fi
 if [ -z "${FIND_LINKS:-}" ]; then
   if [ -d /opt/wheels ]; then FIND_LINKS=/opt/wheels; else FIND_LINKS=https://download.pytorch.org/whl/cpu/torch/; fi

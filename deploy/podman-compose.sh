@@ -14,7 +14,8 @@
 # or loop it did not start (one already answering on the socket) is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CONTAINERS_CONF=${CONTAINERS_CONF:-$PWD/deploy/podman/containers.conf}
+CONTAINERS_CONF=$(realpath "${CONTAINERS_CONF:-$PWD/deploy/podman/containers.conf}")  # read from other folders too
+export CONTAINERS_CONF
 dir=${PODMAN_SOCKET_DIR:-/run/fuseserve-podman}
 sock=$dir/podman.sock
 mkdir -p "$dir"
