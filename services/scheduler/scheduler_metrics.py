@@ -62,6 +62,32 @@ class SchedulerMetrics:
         self.model_name = UNKNOWN_MODEL
         self.scheduler = None  # set by ``watch``
         self._arrivals: dict[int, float] = {}  # seq_id → monotonic time it entered the queue
+        self._define_counts(r)
+        self._define_histograms(r)
+        r.register(_Budgets(self))
+        self._families = (
+            self._waiting,
+            self._running,
+            self._workers,
+            self._preemptions,
+            self._prefix_queries,
+            self._prefix_hits,
+            self._iteration,
+            self._chosen_budget,
+            self._plan_seconds,
+            self._queue_time,
+            self._cpu,
+            self._idle,
+        )
+        self._children: dict[tuple, object] = {}  # (family, worker or None) -> child of model_name
+        self._zero_counters()
+        self.port: int | None = None
+        if port is not None:
+            server, _ = start_http_server(port, registry=r)
+            self.port = server.server_port
+
+    def _define_counts(self, r: CollectorRegistry) -> None:
+        """The gauges and counters, each labelled by ``model_name``."""
         m = ["model_name"]
         self._waiting = Gauge(
             "fuseserve_num_requests_waiting",
@@ -86,6 +112,10 @@ class SchedulerMetrics:
             m,
             registry=r,
         )
+
+    def _define_histograms(self, r: CollectorRegistry) -> None:
+        """The histograms: pass sizes and chosen budgets per worker, planning, queue, CPU and idle time."""
+        m = ["model_name"]
         self._iteration = Histogram(
             "fuseserve_iteration_tokens_total",
             "Tokens per planned pass, per worker (compare with fuseserve_token_budget)",
@@ -129,27 +159,6 @@ class SchedulerMetrics:
             buckets=_PASS_BUCKETS,
             registry=r,
         )
-        r.register(_Budgets(self))
-        self._families = (
-            self._waiting,
-            self._running,
-            self._workers,
-            self._preemptions,
-            self._prefix_queries,
-            self._prefix_hits,
-            self._iteration,
-            self._chosen_budget,
-            self._plan_seconds,
-            self._queue_time,
-            self._cpu,
-            self._idle,
-        )
-        self._children: dict[tuple, object] = {}  # (family, worker or None) -> child of model_name
-        self._zero_counters()
-        self.port: int | None = None
-        if port is not None:
-            server, _ = start_http_server(port, registry=r)
-            self.port = server.server_port
 
     # ----- label-bound children (service.py uses these names) -----
     def _child(self, family, worker: str | None = None):
