@@ -57,11 +57,11 @@ case "$cmd" in
   test-structured)
             setup; optional_tools
             exec "$PY" -m pytest -q -m "not containers and not prometheus" \
-              tests/test_structured.py tests/test_structured_pipeline.py \
-              tests/test_stack_structured.py "$@" ;;
+              tests/pipeline/test_structured.py tests/pipeline/test_structured_pipeline.py \
+              tests/stack/test_stack_structured.py "$@" ;;
   test-prometheus)
             setup; optional_tools prometheus
-            exec "$PY" -m pytest -q -m prometheus tests/test_prometheus_scrape.py "$@" ;;
+            exec "$PY" -m pytest -q -m prometheus tests/stack/test_prometheus_scrape.py "$@" ;;
   bench)    setup; exec "$PY" -m benchmarks.run_bench --quick "$@" ;;
   scale)    setup; exec "$PY" -m benchmarks.scale_out --quick "$@" ;;
   lock)     setup

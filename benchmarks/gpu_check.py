@@ -14,7 +14,7 @@ and loaded by fuseserve from there; ``transformers`` runs the same weights (the 
 Greedy parity rule (bf16): fuseserve's tokens must equal ``transformers``' until the first divergence,
 and a divergence is accepted only at a near-tie, where transformers' logits of its token and ours
 differ by less than ``NEAR_TIE_ULPS`` bf16 steps at the larger logit's magnitude (the repository's
-fp32 rule, ``tests/test_smollm2_greedy.py``, uses 1e-3; bf16 keeps 8 significant bits). Logprobs of the
+fp32 rule, ``tests/pipeline/test_smollm2_greedy.py``, uses 1e-3; bf16 keeps 8 significant bits). Logprobs of the
 tokens both chose are compared as well (max absolute difference, reported).
 
 Every step appends JSON lines to ``OUT/results.jsonl`` and prints a readable line per result. Nothing

@@ -33,8 +33,8 @@ MAX_SLACK = 1.25
 
 Why slack: fuseserve computes as ``transformers`` does (norms, softmax, residual adds, logits at the
 same precision), so the two bf16 errors are draws from the same distribution and either may be the
-larger. Measured, pooled over the greedy steps of a model's prompts (tests/test_bf16_vs_hf.py,
-tests/test_smollm2_greedy.py print them), fuseserve / transformers was 0.82-1.04 on the mean and
+larger. Measured, pooled over the greedy steps of a model's prompts (tests/pipeline/test_bf16_vs_hf.py,
+tests/pipeline/test_smollm2_greedy.py print them), fuseserve / transformers was 0.82-1.04 on the mean and
 0.80-1.14 on the max (SmolLM2 1.04 / 0.80; opt-prenorm's max 1.14), on AVX-512 with bf16 instructions
 and with ATen and oneDNN held to AVX2 alike. A real precision loss is larger: the RMSNorm computed in
 bf16 instead of fp32 made SmolLM2's ratio 1.18 on the mean and 1.41 on the max. A mixture-of-experts

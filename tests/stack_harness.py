@@ -8,8 +8,6 @@ import json
 import time
 from collections.abc import Iterator
 
-import pytest
-
 from fuseserve import messages
 from fuseserve.redis_launcher import free_port
 
@@ -140,22 +138,3 @@ def worker_num_running(stack, worker_id: str) -> int:
 def proc_named(stack, name: str):
     """The child process called ``name`` (``stack.procs``)."""
     return next(p for n, p in stack.procs if n == name)
-
-
-@pytest.fixture(scope="module")
-def stack(smollm2_source):
-    """The stack of a test module (fp32, budget 64): ``(stack, base_url)``; import it by name."""
-    with local_stack(token_budget=64, kv_cache_memory="128MiB", dtype="float32") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def pipe(smollm2_source):
-    """The pipeline with the stack's settings (fp32, budget 64), to compare with it; import it by name."""
-    import fuseserve
-
-    p = fuseserve.pipeline(
-        str(smollm2_source.path), token_budget=64, kv_cache_memory="128MiB", dtype="float32", progress=False
-    )
-    yield p
-    p.close()

@@ -118,7 +118,7 @@ CONFIGS = {
         architectures=["Qwen3MoeForCausalLM"],
     ),
     # the shape a divergence was reported on with transformers 5.24 (issue 23): 4 experts, top 2,
-    # renormalised top-k weights (tests/test_moe_routing.py draws prompts for it)
+    # renormalised top-k weights (tests/pipeline/test_moe_routing.py draws prompts for it)
     "qwen3moe-top2of4-norm": lambda: Qwen3MoeConfig(
         **{**TINY, "num_hidden_layers": 3},
         head_dim=16,
@@ -144,6 +144,12 @@ def llama_config(**overrides) -> LlamaConfig:
         architectures=["LlamaForCausalLM"],
     )
     return LlamaConfig(**{**base, **overrides})
+
+
+def random_prompt(seed: int, length: int, vocab: int) -> list[int]:
+    """``length`` token ids drawn uniformly from ``[1, vocab)`` by a generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (length,), generator=g).tolist()
 
 
 def random_model(config, seed: int = 0, perturb_norms: bool = False, dtype=torch.float32) -> torch.nn.Module:

@@ -6,15 +6,12 @@ The stack is driven by ``fuseserve.Client`` (the pipeline's keywords over the Op
 the OpenAI surface itself, by the official ``openai`` package.
 """
 
-# Test parameters take the names of the fixtures imported from stack_harness (pyflakes: redefinitions).
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
-from stack_harness import MODEL, openai_client, pipe, stack  # noqa: F401 (fixtures)
+from stack_harness import MODEL, openai_client
 
 import fuseserve
 from fuseserve.errors import InvalidRequestError

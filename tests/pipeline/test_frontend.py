@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 
 import pytest
-from test_proto import _full_params
+from sampling_cases import full_params
 
 from fuseserve.errors import ContextLengthExceededError, InvalidParameterError, InvalidRequestError
 from fuseserve.frontend import Delta, OutputState, PromptEncoder, as_batch
@@ -22,7 +22,7 @@ from fuseserve.proto.convert import sampling_params_from_proto, sampling_params_
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import FinishReason, SampledToken, TokenEvent, TokenLogprob
 
-FULL = _full_params()  # every field set
+FULL = full_params()  # every field set
 BY_HAND = {"logprobs", "prompt_logprobs"}  # per-endpoint OpenAI shapes (openai_params.py); not CLI flags
 BY_HAND |= {"json_schema", "regex", "choice", "grammar", "logit_bias"}  # frontend/constraints.py's
 

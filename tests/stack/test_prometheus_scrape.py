@@ -29,7 +29,7 @@ from fuseserve import messages
 from fuseserve.redis_launcher import free_port
 
 pytestmark = pytest.mark.prometheus
-MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 NUM_OK, NUM_ABORTED, MAX_TOKENS = 12, 5, 24
 
 

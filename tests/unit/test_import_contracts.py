@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "pyproject.toml"
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 CONTRACTS = {c["id"]: c for c in tomllib.loads(CONFIG.read_text())["tool"]["importlinter"]["contracts"]}
@@ -200,7 +200,7 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path, path, line, broken, re
     module = tree / path
     assert module.is_file()
     with module.open("a") as f:
-        f.write(f"\n{line}  # added by tests/test_import_contracts.py\n")
+        f.write(f"\n{line}  # added by tests/unit/test_import_contracts.py\n")
     status, output = lint_imports(tree)
     assert status != 0, output
     assert verdicts(output) == {cid: "BROKEN" if cid in broken else "KEPT" for cid in CONTRACTS}, output

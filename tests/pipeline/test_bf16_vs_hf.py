@@ -34,7 +34,7 @@ import pytest
 import torch
 from engine_driver import chunked_logits
 from greedy_check import assert_no_farther_from_fp32, hf_greedy
-from test_models_vs_hf import CONFIGS, prompt
+from tiny_models import CONFIGS, random_prompt
 from transformers import AutoModelForCausalLM
 
 from fuseserve.config import EngineConfig
@@ -75,7 +75,7 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("chunk", [1000, 7])
 def test_bf16_chunked_prompt_matches_transformers_bf16(family_bf16, chunk):
     name, hf, hf32, runner = family_bf16
-    tokens = prompt(1, 90, hf.config.vocab_size)
+    tokens = random_prompt(1, 90, hf.config.vocab_size)
     ours = chunked_logits(runner, {1: tokens}, {1: chunk})[1]
     assert ours.dtype == torch.float32  # logits reach sampling in fp32
     want = hf_logits(hf, tokens)
@@ -87,7 +87,12 @@ def test_bf16_chunked_prompt_matches_transformers_bf16(family_bf16, chunk):
 def test_bf16_packed_with_other_sequences(family_bf16):
     name, hf, _, runner = family_bf16
     v = hf.config.vocab_size
-    prompts = {1: prompt(1, 75, v), 2: prompt(2, 150, v), 3: prompt(3, 41, v), 4: prompt(4, 23, v)}
+    prompts = {
+        1: random_prompt(1, 75, v),
+        2: random_prompt(2, 150, v),
+        3: random_prompt(3, 41, v),
+        4: random_prompt(4, 23, v),
+    }
     sizes = {1: 7, 2: 64, 3: 1, 4: 1}
     ours = chunked_logits(runner, prompts, sizes)
     for sid, tokens in prompts.items():
@@ -104,7 +109,12 @@ def test_bf16_packed_with_other_sequences(family_bf16):
 def test_bf16_no_farther_from_fp32_than_transformers(family_bf16):
     name, hf, hf32, runner = family_bf16
     v = hf.config.vocab_size
-    prompts = {1: prompt(1, 75, v), 2: prompt(2, 150, v), 3: prompt(3, 41, v), 4: prompt(4, 23, v)}
+    prompts = {
+        1: random_prompt(1, 75, v),
+        2: random_prompt(2, 150, v),
+        3: random_prompt(3, 41, v),
+        4: random_prompt(4, 23, v),
+    }
     fp32 = {sid: hf_greedy(hf32, tokens, 16) for sid, tokens in prompts.items()}  # tokens, logits per step
     seqs = {sid: prompts[sid] + fp32[sid][0] for sid in prompts}
     ours_all = chunked_logits(runner, seqs, {1: 7, 2: 64, 3: 1, 4: 1})

@@ -9,6 +9,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from sampling_cases import full_params
 
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
@@ -17,35 +18,8 @@ from fuseserve.redis_launcher import free_port
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 
-PROTO_DIR = Path(__file__).resolve().parents[1] / "proto"
+PROTO_DIR = Path(__file__).resolve().parents[2] / "proto"
 GENERATED = ("worker_pb2.py", "worker_pb2_grpc.py", "worker_pb2.pyi")
-
-
-def _full_params() -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=64,
-        min_new_tokens=2,
-        temperature=0.7,
-        top_k=40,
-        top_p=0.9,
-        min_p=0.05,
-        repetition_penalty=1.1,
-        presence_penalty=-0.5,
-        frequency_penalty=0.25,
-        seed=1234567890123,
-        stop=["\n\n", "END"],
-        stop_token_ids=[2, 49152],
-        ignore_eos=True,
-        logprobs=5,
-        include_stop_str_in_output=True,
-        prompt_logprobs=3,
-        # the constraints exclude each other in a validated request; the wire carries each of them
-        json_schema={"type": "object"},
-        regex="[a-z]+",
-        choice=["yes", "no"],
-        grammar='root ::= "a"',
-        logit_bias={5: -1.5, 49152: 100.0},
-    )
 
 
 def test_stubs_import_from_package():
@@ -82,7 +56,7 @@ def test_generate_sh_is_reproducible(tmp_path):
 
 
 def test_sampling_params_round_trip():
-    params = _full_params()
+    params = full_params()
     assert convert.sampling_params_from_proto(convert.sampling_params_to_proto(params)) == params
     defaults = SamplingParams()  # seed / logprobs None must stay None, not become 0
     back = convert.sampling_params_from_proto(convert.sampling_params_to_proto(defaults))
@@ -97,7 +71,7 @@ def _plan() -> StepPlan:
         step_id=2**40 + 7,
         chunks=[
             SeqChunk(seq_id=1, start_pos=0, num_tokens=4, token_ids=[10, 11, 12, 13], sample=False,
-                     params=_full_params(), prompt_len=9),
+                     params=full_params(), prompt_len=9),
             SeqChunk(seq_id=2**63 + 5, start_pos=37, num_tokens=1),  # decode entry: no token ids
             SeqChunk(seq_id=3, start_pos=4, num_tokens=5, token_ids=[1, 2, 3, 4, 5], sample=True),
         ],

@@ -110,7 +110,7 @@ def _drain_timeout(argv: list[str]) -> float:
 def test_container_grace_periods_leave_room_for_the_drain():
     """Compose and Kubernetes wait longer than the drain before SIGKILL (else a drain is cut off)."""
     yaml = pytest.importorskip("yaml")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     compose = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]
     for name in ("scheduler", "worker"):
         grace = float(compose[name]["stop_grace_period"].rstrip("s"))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "deploy" / "requirements"
 OVERRIDES = REQUIREMENTS / "overrides.txt"  # as deploy/build-images.sh resolves them
 

@@ -4,24 +4,17 @@ The fake scheduler echoes each prompt's token ids back as output, then a hidden 
 stops at max_tokens ("length"); so expected texts are the prompt's own decode.
 """
 
-# Test parameters take the names of the fixtures imported below, which pyflakes reads as redefinitions.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import json
 
 import httpx
 import pytest
-from gateway_fixtures import MAX_QUEUE, MODEL, assert_error, assert_works, post, sse_events
 from gateway_harness import EOS
+from gateway_http import MAX_QUEUE, MODEL, assert_error, assert_works, post, sse_events
 from stack_harness import wait_for
 
 from fuseserve.messages import CONTROL, ControlMessage
-
-# isort: split
-# pytest finds fixtures by name: these tests and the fixtures they use.
-from gateway_fixtures import _reset_fake, app, fake, http, redis_server, server, tok  # noqa: F401
 
 
 # --------------------------------------------------------------------------- plain endpoints

@@ -6,8 +6,6 @@ recomputes (the matcher is rebuilt from the recomputed tokens) and with overlap 
 uncompilable spec is an ``InvalidRequestError`` before anything runs.
 """
 
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import json
@@ -17,9 +15,6 @@ import jsonschema
 import pytest
 from pipeline_harness import chat, pipelines, run_concurrently
 from structured_cases import MAX_TOKENS, SCHEMA_CASES
-
-# isort: split
-from pipeline_harness import pipe, pipe_serial, tiny  # noqa: F401
 
 from fuseserve.errors import InvalidRequestError
 

@@ -4,9 +4,6 @@ The gateway runs under uvicorn at its most verbose (``trace``: ASGI messages, ac
 record of the process is captured, and the last test checks that no key appears in any of them.
 """
 
-# Test parameters take the names of the fixtures imported below, which pyflakes reads as redefinitions.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -15,15 +12,12 @@ import logging
 
 import httpx
 import pytest
-from gateway_fixtures import MODEL, assert_error
 from gateway_harness import ServedApp
+from gateway_http import MODEL, assert_error
 
 from fuseserve.config import API_KEY_ENV, RequestLimits
 from fuseserve.gateway.app import GatewaySettings, create_app, settings_from_args
 from fuseserve.gateway.auth import ApiKeyFileError, ApiKeys, read_key_file
-
-# isort: split
-from gateway_fixtures import _reset_fake, fake, redis_server  # noqa: F401
 
 KEY = "sk-test-4f1c2d9e8b7a"
 FILE_KEY = "sk-from-file-0a9b8c7d"  # stored in the key file as its SHA-256 only

@@ -4,9 +4,6 @@ Started by the same code as ``fuseserve serve`` (``fuseserve.launcher.start_stac
 official ``openai`` client and raw HTTP.
 """
 
-# Test parameters take the names of the fixtures imported from stack_harness (pyflakes: redefinitions).
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import concurrent.futures
@@ -16,7 +13,7 @@ import grpc
 import httpx
 import pytest
 import redis
-from stack_harness import MODEL, openai_client, pipe, stack, wait_for  # noqa: F401 (fixtures)
+from stack_harness import MODEL, openai_client, wait_for
 
 from fuseserve import messages
 

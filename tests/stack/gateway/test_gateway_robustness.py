@@ -5,9 +5,6 @@ and death, bursts and overload, a Redis outage, a client gone mid-upload: each i
 OpenAI-style error (never a 500) and the gateway keeps serving.
 """
 
-# Test parameters take the names of the fixtures imported below, which pyflakes reads as redefinitions.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -21,18 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import redis
-from gateway_fixtures import GRACE_S, MAX_BODY, MODEL, assert_error, assert_works, post, sse_events
 from gateway_harness import FakeScheduler, ServedApp
+from gateway_http import GRACE_S, MAX_BODY, MODEL, assert_error, assert_works, post, sse_events
 from stack_harness import wait_for
 
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.app import GatewaySettings, create_app
 from fuseserve.messages import REQUESTS, SCHEDULER_STATS_PATTERN
 from fuseserve.redis_launcher import find_redis_server, free_port
-
-# isort: split
-# pytest finds fixtures by name: these tests and the fixtures they use.
-from gateway_fixtures import _reset_fake, app, fake, http, redis_server, server  # noqa: F401
 
 
 # --------------------------------------------------------------------------- malformed bodies

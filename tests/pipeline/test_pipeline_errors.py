@@ -6,9 +6,6 @@ cannot cross the wire), abort by leaving a stream with blocks freed, close endin
 with finish_reason abort, and a failed step failing only its own requests.
 """
 
-# Test parameters take the names of the fixtures imported below, which pyflakes reads as redefinitions.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import threading
@@ -23,10 +20,6 @@ from fuseserve.errors import (
     InvalidParameterError,
     InvalidRequestError,
 )
-
-# isort: split
-# pytest finds fixtures by name: these tests and the fixtures they use.
-from pipeline_harness import pipe, tiny  # noqa: F401
 
 # ------------------------------------------------------------------------------------- errors
 

@@ -6,19 +6,12 @@ generation knobs (min_new_tokens, stop_token_ids, ignore_eos, logprobs) and the 
 stop / length. Typed errors, aborts and a failed step are in ``test_pipeline_errors.py``.
 """
 
-# Test parameters take the names of the fixtures imported below, which pyflakes reads as redefinitions.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import math
 
 import pytest
 from pipeline_harness import chat, in_thread, pipelines, run_concurrently, wait_all_free
-
-# isort: split
-# pytest finds fixtures by name: these tests and the fixtures they use.
-from pipeline_harness import pipe, pipe_serial, tiny, tiny_serial  # noqa: F401
 
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=1234, max_new_tokens=16)
 

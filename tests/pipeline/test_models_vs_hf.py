@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_driver import chunked_logits
-from tiny_models import CONFIGS, tiny_checkpoint
+from tiny_models import CONFIGS, random_prompt, tiny_checkpoint
 
 from fuseserve.config import EngineConfig
 from fuseserve.worker.model_runner import ModelRunner
@@ -39,15 +39,10 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0].float()
 
 
-def prompt(seed: int, length: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (length,), generator=g).tolist()
-
-
 @pytest.mark.parametrize("chunk", [1000, 1, 7, 64])
 def test_chunked_prompt_matches_transformers(family, chunk):
     _, hf, runner = family
-    tokens = prompt(1, 90, hf.config.vocab_size)
+    tokens = random_prompt(1, 90, hf.config.vocab_size)
     ours = chunked_logits(runner, {1: tokens}, {1: chunk})[1]
     torch.testing.assert_close(ours, hf_logits(hf, tokens), atol=ATOL, rtol=0)
     assert runner.num_free_blocks == runner.info.num_blocks
@@ -59,11 +54,11 @@ def test_packed_with_other_sequences(family):
     _, hf, runner = family
     v = hf.config.vocab_size
     prompts = {
-        1: prompt(1, 75, v),
-        2: prompt(2, 150, v),
-        3: prompt(3, 41, v),
-        4: prompt(4, 23, v),
-        5: prompt(5, 60, v),
+        1: random_prompt(1, 75, v),
+        2: random_prompt(2, 150, v),
+        3: random_prompt(3, 41, v),
+        4: random_prompt(4, 23, v),
+        5: random_prompt(5, 60, v),
     }
     sizes = {1: 7, 2: 64, 3: 1, 4: 1, 5: 1}
     ours = chunked_logits(runner, prompts, sizes)
@@ -89,7 +84,7 @@ def test_sliding_window_is_exercised(family):
     name, hf, runner = family
     if name not in WINDOWED:
         pytest.skip("no sliding window")
-    tokens = prompt(7, 48, hf.config.vocab_size)
+    tokens = random_prompt(7, 48, hf.config.vocab_size)
     full = hf_logits(hf, tokens)
     no_window = _with(hf, tokens, [(hf.config, "sliding_window", 10**6)])
     assert (full[-1] - no_window[-1]).abs().max() > 1e-3
@@ -102,7 +97,7 @@ def test_soft_caps_are_exercised(family):
     name, hf, _ = family
     if not name.startswith("gemma2"):
         pytest.skip("only Gemma 2 soft-caps")
-    tokens = prompt(8, 40, hf.config.vocab_size)
+    tokens = random_prompt(8, 40, hf.config.vocab_size)
     full = hf_logits(hf, tokens)
     uncapped_attn = [(layer.self_attn, "attn_logit_softcapping", None) for layer in hf.model.layers]
     uncapped_final = [(hf.config, "final_logit_softcapping", None)]
@@ -125,7 +120,7 @@ def test_moe_with_idle_experts(family):
         if isinstance(m, Experts)
     ]
     try:
-        tokens = prompt(11, 3, hf.config.vocab_size)
+        tokens = random_prompt(11, 3, hf.config.vocab_size)
         ours = chunked_logits(runner, {1: tokens}, {1: 3})[1]
     finally:
         for h in hooks:

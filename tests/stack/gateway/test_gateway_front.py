@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from gateway_fixtures import _reset_fake, fake, redis_server  # noqa: F401
 from gateway_harness import ServedApp
 
 from fuseserve.gateway.app import GatewaySettings, create_app

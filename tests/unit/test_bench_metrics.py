@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is not installed
 
 from benchmarks import metrics as m  # noqa: E402
 from benchmarks import plots  # noqa: E402

@@ -3,15 +3,10 @@ gives the tokens, text, finish reasons and usage counts of the one-pass pipeline
 with greedy, seeded sampling, penalties and logprobs, and every KV block back at the end. The
 scheduler side with many sequences, preemption and a lost worker: ``test_multi_pass.py``."""
 
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import pytest
 from pipeline_harness import chat, run_concurrently, wait_all_free
-
-# isort: split
-from pipeline_harness import pipe  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "monitoring"
 
 SUBCOMMANDS = {"gateway", "scheduler", "worker"}
@@ -258,7 +258,7 @@ def test_grafana_provisioning_and_dashboard(compose):
 
     dashboard = json.loads((MONITORING / "grafana/dashboards/fuseserve.json").read_text())
     assert dashboard["uid"] == "fuseserve" and dashboard["panels"]
-    for panel in dashboard["panels"]:  # the queries are checked in tests/test_monitoring.py
+    for panel in dashboard["panels"]:  # the queries are checked in tests/deploy/test_monitoring.py
         assert panel["datasource"]["uid"] == datasource["uid"]
         assert panel["targets"], f"panel {panel['title']} has no query"
     ids = [panel["id"] for panel in dashboard["panels"]]

@@ -18,7 +18,7 @@ from fuseserve.gateway.gateway_metrics import GatewayMetrics
 from fuseserve.scheduler.scheduler_metrics import SchedulerMetrics
 from fuseserve.worker.worker_metrics import WorkerMetrics, pass_size_label
 
-MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 _NAME_RE = re.compile(r"\bfuseserve_[a-z0-9_]+")
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
