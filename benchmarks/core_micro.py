@@ -76,7 +76,7 @@ def run(args) -> dict:
     from fuseserve.scheduler.sequence import Sequence
 
     if args.metrics:
-        from fuseserve.scheduler.scheduler_metrics import SchedulerMetrics
+        from fuseserve.scheduler.service.scheduler_metrics import SchedulerMetrics
 
     config = EngineConfig(token_budget=args.budget, overlap=True)
     core = EngineCore(config, eos_token_ids=[0])

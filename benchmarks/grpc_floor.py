@@ -1,7 +1,7 @@
 """The gRPC floor under the scheduler: client CPU per stream round trip, with nothing of fuseserve in it.
 
 The scheduler sends each worker one plan and reads one result per pass over a ``grpc.aio`` stream
-(``services/scheduler/grpc_worker.py``). This measures what that costs the CLIENT process alone:
+(``services/scheduler/service/grpc_worker.py``). This measures what that costs the CLIENT process alone:
 ``--streams`` channels (one per worker), each with one bidirectional stream to an echo server in
 another process that waits ``--delay-ms`` before it answers (a pass). Every client stream writes a
 ``--payload``-byte message, reads the answer, then spins ``--busy-ms`` of Python CPU (the work the

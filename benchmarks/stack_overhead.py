@@ -52,7 +52,7 @@ def overhead(num_requests: int, new_tokens: int, overlap: bool) -> None:
     from fuseserve.config import EngineConfig
     from fuseserve.redis_launcher import launch_redis
     from fuseserve.sampling_params import SamplingParams
-    from fuseserve.scheduler.service import SchedulerService
+    from fuseserve.scheduler.service.scheduler_service import SchedulerService
 
     with tempfile.TemporaryDirectory() as tmp, launch_redis() as rs:
         tiny_llama(tmp)

@@ -2,7 +2,7 @@
 
 The first signal starts a drain with a deadline (``--drain-timeout`` seconds, default
 ``messages.DRAIN_TIMEOUT_S``): the process takes no new sequences and finishes, or hands back, the
-ones it has (``fuseserve.worker.server.run_worker``, ``fuseserve.scheduler.scheduler_drain``). A second
+ones it has (``fuseserve.worker.server.run_worker``, ``fuseserve.scheduler.service.scheduler_drain``). A second
 signal, or the deadline, ends the drain at once: what is left is handed back for recompute
 elsewhere. Kubernetes sends SIGTERM and waits ``terminationGracePeriodSeconds`` before SIGKILL,
 Docker Compose ``stop_grace_period``: both are set above the drain timeout.

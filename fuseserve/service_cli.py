@@ -73,7 +73,7 @@ def _gateway(a):
 
 
 def _scheduler(a):
-    from fuseserve.scheduler.service import run_scheduler
+    from fuseserve.scheduler.service.scheduler_service import run_scheduler
 
     return run_scheduler(_authenticated(a))
 

@@ -3,7 +3,7 @@
 Names follow vLLM's (``vllm:time_to_first_token_seconds`` → ``fuseserve_time_to_first_token_seconds``)
 and every series carries ``model_name``. The gateway owns what a client sees: latencies, tokens
 delivered, outcomes, HTTP statuses and requests in flight. Queue lengths, passes and KV use belong to
-the scheduler and the workers (``fuseserve.scheduler.scheduler_metrics``,
+the scheduler and the workers (``fuseserve.scheduler.service.scheduler_metrics``,
 ``fuseserve.worker.worker_metrics``); the full list with meanings is ``monitoring/README.md``.
 
 Each counted thing is counted once, where it happens: a sequence's outcome when it finishes

@@ -3,7 +3,7 @@
 reads them through (``SchedulerStats``, from ``EngineCore.make_stats``).
 
 ``EngineCore.stats`` is a ``CoreStats``; the scheduler service writes its p50 / p99 into its stats
-record and Prometheus histograms (``services/scheduler/service.py``). Counters cross to the service
+record and Prometheus histograms (``services/scheduler/service/scheduler_service.py``). Counters cross to the service
 read and reset (vLLM's ``make_prefix_cache_stats``): each ``make_stats`` returns the events since the
 previous one, so no reader diffs another object's counters.
 """

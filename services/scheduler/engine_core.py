@@ -1,6 +1,6 @@
 """The engine core: the scheduler and the one registry of workers, each worker stepped on its own.
 
-The pipeline (``fuseserve/pipeline.py``) and the scheduler service (``services/scheduler/service.py``)
+The pipeline (``fuseserve/pipeline.py``) and the scheduler service (``services/scheduler/service/scheduler_service.py``)
 are I/O adapters around one ``EngineCore``: they add requests and workers, call ``poll`` and deliver
 the token events it returns (to in-process queues, or to Redis streams).
 

@@ -1,7 +1,7 @@
 """The loop around the engine core, written once for both modes (STYLE.md, item 5).
 
 The pipeline (``fuseserve/pipeline.py``: requests from caller threads, events to their queues) and
-the scheduler service (``services/scheduler/service.py``: requests from Redis, events to the
+the scheduler service (``services/scheduler/service/scheduler_service.py``: requests from Redis, events to the
 gateways' streams) are ``EnginePort``s: the same iteration calls them to receive what arrived, to
 send the events of each poll, and to wait while there is nothing to run.
 """

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from fuseserve.gateway.gateway_metrics import GatewayMetrics
-from fuseserve.scheduler.scheduler_metrics import SchedulerMetrics
+from fuseserve.scheduler.service.scheduler_metrics import SchedulerMetrics
 from fuseserve.worker.worker_metrics import WorkerMetrics, pass_size_label
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"

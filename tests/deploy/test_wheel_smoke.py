@@ -31,7 +31,12 @@ OVERRIDES = REQUIREMENTS / "overrides.txt"  # as deploy/build-images.sh resolves
 # service -> (requirements file, its package, the modules it runs (its CLI command's first), ships torch)
 SERVICES = {
     "gateway": ("gateway.in", "fuseserve.gateway", ["fuseserve.gateway.app"], False),
-    "scheduler": ("scheduler.in", "fuseserve.scheduler", ["fuseserve.scheduler.service"], False),
+    "scheduler": (
+        "scheduler.in",
+        "fuseserve.scheduler",
+        ["fuseserve.scheduler.service.scheduler_service"],
+        False,
+    ),
     # the worker also compiles grammars (xgrammar, imported when a constrained request arrives)
     "worker": ("worker-cpu.in", "fuseserve.worker", ["fuseserve.worker.server", "xgrammar"], True),
 }

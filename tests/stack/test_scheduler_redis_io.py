@@ -15,12 +15,12 @@ from stack_harness import wait_for
 from fuseserve import messages
 from fuseserve.config import EngineConfig
 from fuseserve.redis_launcher import launch_redis
-from fuseserve.scheduler import redis_io
 from fuseserve.scheduler.engine_core import EngineCore
-from fuseserve.scheduler.redis_io import RedisInbox
 from fuseserve.scheduler.scheduler import TokenEvent
 from fuseserve.scheduler.sequence import FinishReason
-from fuseserve.scheduler.worker_leases import WorkerLeases
+from fuseserve.scheduler.service import redis_io
+from fuseserve.scheduler.service.redis_io import RedisInbox
+from fuseserve.scheduler.service.worker_leases import WorkerLeases
 from fuseserve.types import PromptLogprobs, SampledToken, TokenLogprob
 
 

@@ -167,7 +167,7 @@ def test_presets_and_errors():
 
 def test_simulated_worker_process_registers_serves_and_exports_metrics():
     from fuseserve.redis_launcher import launch_redis
-    from fuseserve.scheduler.grpc_worker import GrpcWorker
+    from fuseserve.scheduler.service.grpc_worker import GrpcWorker
 
     with launch_redis() as rs:
         t0 = time.monotonic()

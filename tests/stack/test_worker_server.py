@@ -19,7 +19,7 @@ from fuseserve.errors import WorkerLostError
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
 from fuseserve.redis_launcher import free_port
-from fuseserve.scheduler.grpc_worker import GrpcWorker
+from fuseserve.scheduler.service.grpc_worker import GrpcWorker
 from fuseserve.types import StepPlan, StepResult
 from fuseserve.worker import server as worker_server
 from fuseserve.worker.server import WorkerServicer
@@ -206,7 +206,7 @@ def test_a_worker_gone_fails_the_plans_in_flight_as_lost():
 
 
 def test_a_worker_that_answers_no_plan_in_time_is_cut_off_as_lost(worker, monkeypatch):
-    from fuseserve.scheduler import grpc_worker
+    from fuseserve.scheduler.service import grpc_worker
 
     runner, first = worker
     monkeypatch.setattr(grpc_worker, "STEP_TIMEOUT_S", 0.2)
@@ -225,8 +225,8 @@ def test_a_worker_that_answers_no_plan_in_time_is_cut_off_as_lost(worker, monkey
 
 
 def test_a_driven_loop_runs_plans_and_results_on_its_owners_thread(worker, monkeypatch):
-    from fuseserve.scheduler import grpc_worker
-    from fuseserve.scheduler.grpc_worker import IOLoop
+    from fuseserve.scheduler.service import grpc_worker
+    from fuseserve.scheduler.service.grpc_worker import IOLoop
 
     runner, first = worker
     runner.pass_s = 0.01

@@ -12,7 +12,7 @@ import pytest
 
 from fuseserve import messages
 from fuseserve.drain_signal import DrainSignal
-from fuseserve.scheduler import scheduler_drain
+from fuseserve.scheduler.service import scheduler_drain
 from fuseserve.worker.server import wait_drained
 
 

@@ -18,7 +18,7 @@ import threading
 import redis
 
 from fuseserve import messages
-from fuseserve.scheduler import redis_io
+from fuseserve.scheduler.service import redis_io
 
 log = logging.getLogger(__name__)
 

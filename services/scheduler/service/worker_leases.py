@@ -17,7 +17,7 @@ import redis
 
 from fuseserve import messages
 from fuseserve.scheduler.engine_core import EngineCore
-from fuseserve.scheduler.grpc_worker import GrpcWorker, IOLoop
+from fuseserve.scheduler.service.grpc_worker import GrpcWorker, IOLoop
 
 log = logging.getLogger(__name__)
 

@@ -46,14 +46,15 @@ from fuseserve.drain_signal import DrainSignal
 from fuseserve.errors import FuseServeError
 from fuseserve.options import from_cli_args
 from fuseserve.sampling_params import SamplingParams
-from fuseserve.scheduler import engine_loop, heartbeat, redis_io, scheduler_drain
+from fuseserve.scheduler import engine_loop
 from fuseserve.scheduler.engine_core import EngineCore
-from fuseserve.scheduler.grpc_worker import IOLoop
-from fuseserve.scheduler.redis_io import RedisInbox
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
-from fuseserve.scheduler.scheduler_metrics import SchedulerMetrics
 from fuseserve.scheduler.sequence import FinishReason, Sequence
-from fuseserve.scheduler.worker_leases import WorkerLeases
+from fuseserve.scheduler.service import heartbeat, redis_io, scheduler_drain
+from fuseserve.scheduler.service.grpc_worker import IOLoop
+from fuseserve.scheduler.service.redis_io import RedisInbox
+from fuseserve.scheduler.service.scheduler_metrics import SchedulerMetrics
+from fuseserve.scheduler.service.worker_leases import WorkerLeases
 
 log = logging.getLogger(__name__)
 
