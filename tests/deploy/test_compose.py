@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ FLAGS = {
     "--metrics-port",
     "--advertise-host",
     "--drain-timeout",
+    "--threads",
 }
 """Flags of those subcommands that compose may pass."""
 REDIS_URL = "redis://redis:6379"
@@ -93,6 +95,58 @@ def test_fuseserve_commands_follow_the_cli_contract(compose):
     assert worker[worker.index("--model") + 1] == "${MODEL:-smollm2-135m-instruct}"
     assert worker[worker.index("--host") + 1] == "0.0.0.0"
     assert worker[worker.index("--advertise-host") + 1] == "$$HOSTNAME"  # the container's own name
+
+
+LONG_RUNNING = {"redis", "gateway", "scheduler", "worker", "prometheus", "grafana"}
+BACKOFF = "/usr/local/lib/fuseserve/restart-backoff.sh"
+
+
+def test_restarts_back_off(compose):
+    """Every long-running service restarts on failure through deploy/restart-backoff.sh (Podman has
+    no back-off of its own); the one-shot model conversion is not restarted."""
+    services = compose["services"]
+    assert set(services) - LONG_RUNNING == {"convert-model"}
+    for name in LONG_RUNNING:
+        service = services[name]
+        assert service["restart"] == "on-failure", name
+        assert service["entrypoint"] == ["sh", BACKOFF], name
+        assert f"./deploy/restart-backoff.sh:{BACKOFF}:ro" in service["volumes"], name
+        assert isinstance(service["command"], list) and service["command"], name  # the whole argv
+    assert services["convert-model"]["restart"] == "no"
+
+
+def test_restart_backoff_doubles_and_resets(tmp_path):
+    """Quick restarts wait 1, 2, 4 ... s (capped), a start long after the previous one does not,
+    and SIGTERM during the pause exits 0 at once (the command is not run)."""
+    state = tmp_path / "state"
+    env = {**os.environ, "RESTART_BACKOFF_STATE": str(state), "RESTART_BACKOFF_MAX_S": "2"}
+
+    def start(*command: str) -> subprocess.CompletedProcess:
+        script = ROOT / "deploy/restart-backoff.sh"
+        return subprocess.run(
+            ["sh", str(script), *command], capture_output=True, text=True, env=env, timeout=30
+        )
+
+    waits = []
+    for _ in range(4):
+        result = start("sh", "-c", "echo ran; exit 3")
+        assert result.returncode == 3 and result.stdout == "ran\n"  # the command's own exit status
+        waits.append(re.findall(r"waiting (\d+) s", result.stderr))
+    assert waits == [[], ["1"], ["2"], ["2"]]  # doubling, capped by RESTART_BACKOFF_MAX_S
+    starts, last = state.read_text().split()
+    state.write_text(f"{starts} {int(last) - 121}\n")  # the previous run lasted longer than 120 s
+    assert "waiting" not in start("true").stderr
+    state.write_text(f"5 {int(time.time())}\n")  # the 6th quick start: a 16 s pause
+    proc = subprocess.Popen(
+        ["sh", str(ROOT / "deploy/restart-backoff.sh"), "sleep", "60"],
+        env={**env, "RESTART_BACKOFF_MAX_S": "60"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert "waiting 16 s" in proc.stderr.readline()  # printed once its SIGTERM trap is set
+    proc.terminate()
+    assert proc.wait(timeout=5) == 0
+    proc.stderr.close()
 
 
 def test_worker_is_scalable_and_reserves_a_gpu(compose):

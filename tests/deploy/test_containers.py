@@ -176,6 +176,7 @@ def stack():
     # The secrets compose requires (README "Deploy" has users put them in .env)
     env = {
         "WORKER_DEVICE": "cpu",
+        "WORKER_THREADS": str(max(1, (os.cpu_count() or 1) // 2)),  # two workers share this host's cores
         "GATEWAY_PORT": str(port),
         "PROMETHEUS_PORT": str(prometheus_port),
         **SECRETS,
@@ -299,13 +300,38 @@ def test_openai_client_gets_paris_through_the_published_port(stack):
     assert "Paris" in answer.choices[0].message.content
 
 
+def _logs(container: str) -> str:
+    logs = subprocess.run(["podman", "logs", container], capture_output=True, text=True)
+    return logs.stdout + logs.stderr
+
+
 def test_each_worker_chose_the_compiled_cpu_attention_operator(stack):
+    """convert-model compiled the operator once; each worker loaded it (no build of its own) and
+    logged its choice."""
+    (convert,) = [c for c in _containers(all_states=True) if "convert-model" in c]
+    assert "CPU attention operator: built" in _logs(convert), _logs(convert)[-3000:]
     for worker in _containers("worker"):
-        logs = subprocess.run(["podman", "logs", worker], capture_output=True, text=True)
-        logs = logs.stdout + logs.stderr
+        logs = _logs(worker)
         chosen = [line for line in logs.splitlines() if "attention backend:" in line]
         REPORT.setdefault("attention_backend", {})[worker] = chosen[-1] if chosen else None
         assert chosen and chosen[-1].endswith("attention backend: cpu (auto)"), logs[-3000:]
+        assert "building the CPU attention operator" not in logs, logs[-3000:]
+
+
+def test_no_container_restarted(stack):
+    """Nothing crash-looped on the way up (a restart would be delayed by deploy/restart-backoff.sh,
+    the entrypoint of every long-running service)."""
+    names = _containers()
+    out = _run(
+        "podman", "inspect", "--format", "{{.Name}} {{.RestartCount}} {{json .Config.Entrypoint}}", *names
+    )
+    restarts = {}
+    for line in out.splitlines():
+        name, count, entrypoint = line.split(" ", 2)
+        restarts[name] = int(count)
+        assert "restart-backoff.sh" in entrypoint, line
+    REPORT["restart_counts"] = restarts
+    assert set(restarts.values()) == {0}, restarts
 
 
 def test_prometheus_scrapes_every_service_and_loads_the_alert_rules(stack):
