@@ -144,6 +144,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 """``auto``: flash-attn on SM80+ GPUs where it imports and fits, else Triton on CUDA; on CPU the C++
 operator (``cpu``), else the PyTorch reference (``torch``)."""
 
+QUANTIZATIONS = ("gguf",)
+"""``--quantization``: ``gguf`` keeps a GGUF file's weights quantized (``fuseserve/gguf_quant.py``)
+instead of dequantizing them to float32. A Hugging Face checkpoint's own ``quantization_config``
+(GPTQ, AWQ, compressed-tensors) is always honoured and needs no flag."""
+
 _ALL = ("generate", "serve", "scheduler", "worker")
 _RUNNER = ("generate", "serve", "worker")  # the model runner's options
 _PLANNER = ("generate", "serve", "scheduler")  # the scheduler's alone
@@ -183,6 +188,7 @@ class EngineConfig:
     max_preemptions: preemptions allowed per sequence before it may no longer be preempted.
     prefix_aware_placement: place a new sequence on the worker holding most of its prefix, among
         the workers whose load is near the least (``Scheduler.place``); False: by load only.
+    quantization: one of ``QUANTIZATIONS`` or None (a GGUF file dequantized to float32).
     """
 
     token_budget: int | None = option(
@@ -270,6 +276,14 @@ class EngineConfig:
         commands=_STACK,
         name="prefix_caching",
     )
+    quantization: str | None = option(
+        None,
+        "gguf: serve a .gguf file from its quantized weights (repacked once, cached) instead of "
+        "dequantizing them to float32; quantized Hugging Face checkpoints (GPTQ, AWQ, "
+        "compressed-tensors) load quantized without it (default: none)",
+        commands=("generate", "serve", "worker"),
+        choices=QUANTIZATIONS,
+    )
     watermark_blocks: int = 1
     max_preemptions: int = 4
     prefix_aware_placement: bool = True
@@ -288,6 +302,8 @@ class EngineConfig:
             raise InvalidParameterError(
                 "attention_backend", self.attention_backend, ", ".join(ATTENTION_BACKENDS)
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidParameterError("quantization", self.quantization, ", ".join(QUANTIZATIONS))
         if self.watermark_blocks < 0:
             raise InvalidParameterError("watermark_blocks", self.watermark_blocks, ">= 0")
         if self.max_preemptions < 0:

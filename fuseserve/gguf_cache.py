@@ -33,18 +33,21 @@ _HASH_INDEX_FILE = "gguf-hashes.json"
 _SOURCE_MARKER_FILE = "fuseserve_source.json"
 
 
-def cached_conversion(path: pathlib.Path, cache: pathlib.Path, progress: bool) -> pathlib.Path:
+def cached_conversion(
+    path: pathlib.Path, cache: pathlib.Path, progress: bool, quantized: bool = False
+) -> pathlib.Path:
     """Return the directory holding the cached conversion of the GGUF file ``path``, converting it
     first if needed.
 
-    ``cache`` is the cache root (the conversion lands in ``cache/gguf/<stem>-<sha256[:16]>``).
+    ``cache`` is the cache root (the conversion lands in ``cache/gguf/<stem>-<sha256[:16]>``, or with
+    ``quantized`` the weights kept quantized, ``fuseserve.gguf_quant``, in ``...-<sha256[:16]>-q``).
     Raises ``ModelLoadError`` for a file that is
     not GGUF, cannot be read or cannot be converted, or a cache directory that cannot be created.
     """
     _check_gguf_magic(path)
     digest = gguf_sha256(path, cache)
     root = cache / "gguf"
-    target = root / f"{path.stem}-{digest[:16]}"
+    target = root / f"{path.stem}-{digest[:16]}{'-q' if quantized else ''}"
     if not target.is_dir():
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -54,7 +57,12 @@ def cached_conversion(path: pathlib.Path, cache: pathlib.Path, progress: bool) -
             if not target.is_dir():  # another process may have finished while we waited
                 for stale in root.glob(f".tmp-{target.name}-*"):  # left by a killed converter
                     shutil.rmtree(stale, ignore_errors=True)
-                convert_gguf(path, target, digest, progress)
+                if quantized:
+                    from fuseserve.gguf_quant import convert_gguf_quantized
+
+                    convert_gguf_quantized(path, target, digest, progress)
+                else:
+                    convert_gguf(path, target, digest, progress)
     return target
 
 

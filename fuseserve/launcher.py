@@ -177,7 +177,8 @@ def start_stack(options: ServeOptions, follow_parent: bool = False) -> tuple[Sta
     """Start Redis + scheduler + workers + gateway; returns the stack and the base URL once healthy.
     ``follow_parent``: every process started stops when this one dies (``Stack``)."""
     _check_port_free(options.host, options.port)
-    resolve_model(options.model)  # convert a GGUF once here, before the children race for it
+    # convert a GGUF once here, before the children race for it
+    resolve_model(options.model, quantization=options.engine.quantization)
     slowdown_of(options, 0)  # a bad --simulate-slowdown fails here, not in every worker
     stack = Stack(options.drain_timeout, follow_parent=follow_parent)
     try:

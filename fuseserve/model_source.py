@@ -98,12 +98,17 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def resolve_model(
-    model: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True
+    model: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    quantization: str | None = None,
 ) -> ModelSource:
     """Resolve a model alias, Hugging Face directory, ``.gguf`` file or Hub id to a ``ModelSource``.
 
     ``cache_dir`` is where converted GGUF files live (default: ``default_cache_dir()``).
     ``progress`` shows log lines and progress bars on stderr during a GGUF conversion.
+    ``quantization="gguf"``: a GGUF file is repacked with its weights kept quantized
+    (``fuseserve.gguf_quant``, cached beside the float32 conversion) instead of dequantized.
     A cached GGUF model resolves in about a second; the first conversion takes ~40 s for
     SmolLM2-135M on 2 cores (more for bigger models).
 
@@ -116,7 +121,7 @@ def resolve_model(
     path = pathlib.Path(text).expanduser()
     if not path.exists() and text.lower() in ALIASES:
         alias = text.lower()
-        return _from_gguf(_alias_gguf_path(alias), alias, cache, progress)
+        return _from_gguf(_alias_gguf_path(alias), alias, cache, progress, quantization)
     if not path.exists() and is_hub_id(text):
         return _from_hub(text)
     if not path.exists():
@@ -133,7 +138,7 @@ def resolve_model(
         _check_hf_dir(path)
         return ModelSource(path=path, name=path.resolve().name, config=_load_config(path))
     if path.suffix.lower() == ".gguf":
-        return _from_gguf(path, path.stem, cache, progress)
+        return _from_gguf(path, path.stem, cache, progress, quantization)
     raise ModelLoadError(
         f"unsupported model file {path}: expected a Hugging Face checkpoint directory or a .gguf file"
     )
@@ -259,7 +264,10 @@ def _alias_gguf_path(alias: str) -> pathlib.Path:
 # --------------------------------------------------------------------------- GGUF file
 
 
-def _from_gguf(path: pathlib.Path, name: str, cache: pathlib.Path, progress: bool) -> ModelSource:
-    """Return the cached conversion of the GGUF file ``path``, converting it first if needed."""
-    target = cached_conversion(path, cache, progress)
+def _from_gguf(
+    path: pathlib.Path, name: str, cache: pathlib.Path, progress: bool, quantization: str | None = None
+) -> ModelSource:
+    """Return the cached conversion of the GGUF file ``path``, converting it first if needed
+    (kept quantized with ``quantization="gguf"``)."""
+    target = cached_conversion(path, cache, progress, quantized=quantization == "gguf")
     return ModelSource(path=target, name=name, config=_load_config(target))

@@ -86,7 +86,9 @@ class Pipeline:
     ):
         self.config = from_keywords(EngineConfig, engine, "pipeline keyword")  # EngineConfig's options
         self.config.validate()
-        self.source = resolve_model(model, cache_dir=cache_dir, progress=progress)
+        self.source = resolve_model(
+            model, cache_dir=cache_dir, progress=progress, quantization=self.config.quantization
+        )
         context = context_length(self.source.config, max_model_len)  # raises before anything loads
         self.tokenizer = load_tokenizer(self.source, tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()

@@ -16,7 +16,9 @@ Model files keep Hugging Face's parameter names and declare:
   them (``tie_word_embeddings``).
 Per-expert checkpoint tensors (``...experts.{e}.{part}.weight``) go into the experts module's fused
 3-D tensors by its ``checkpoint_parts``. Under tensor parallelism (``parallel``) each rank reads only
-its part of each tensor (``shard_source`` of the owning module).
+its part of each tensor (``shard_source`` of the owning module). A checkpoint with a
+``quantization_config`` has its quantized layers swapped first (``fuseserve.worker.quantization``);
+their raw tensors (``qweight``, ``scales``, ...) go to the layer, which packs them at ``finish``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from fuseserve.errors import ModelLoadError, UnsupportedModelError
-from fuseserve.worker import parallel
+from fuseserve.worker import parallel, quantization
 from fuseserve.worker.model_args import ModelArgs
 from fuseserve.worker.models import model_class
 from fuseserve.worker.models.layers import MergedLinear
@@ -90,6 +92,9 @@ def load_model(
             model = cls(args)
     except ValueError as e:  # e.g. a tensor-parallel size that does not divide the heads
         raise ModelLoadError(f"{path}: {e}") from e
+    scheme = quantization.scheme_for(config)
+    if scheme is not None:
+        quantization.quantize_modules(model, scheme, device, dtype)
     loader = _Loader(model, device, dtype)
     files = safetensors_files(path)
     bar = tqdm(total=len(files), desc=f"loading {path.name}", unit="file", disable=not progress)
@@ -149,6 +154,11 @@ class _Loader:
     def _load_tensor(self, f: BinaryIO, path: Path, name: str, info: dict, data_start: int) -> None:
         target, part = self.resolve(name)
         param = self.params.get(target)
+        owner = self._module(target.rpartition(".")[0]) if param is None else None
+        if owner is not None and quantization.is_quantized(owner):
+            tensor = self._read_whole(f, path, name, info, data_start)
+            quantization.add_tensor(owner, target.rpartition(".")[2], part, tensor)
+            return
         if param is None:
             log.debug("skipping checkpoint tensor %s (no parameter %s)", name, target)
             return
@@ -184,6 +194,21 @@ class _Loader:
                 )
             self._read_region(f, path, name, dest, src_dtype, shape, region, data_start + begin)
             self.num_filled[target] = self.num_filled.get(target, 0) + dest.numel()
+
+    def _read_whole(self, f: BinaryIO, path: Path, name: str, info: dict, data_start: int) -> torch.Tensor:
+        """One checkpoint tensor as stored (its own dtype, on the CPU). Raises ``ModelLoadError``."""
+        try:
+            dtype, shape, (begin, end) = _DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{path}: corrupt safetensors entry {name}: {info}") from e
+        out = torch.empty(shape, dtype=dtype)
+        if end - begin != out.numel() * _itemsize(dtype):
+            raise ModelLoadError(
+                f"{path}: safetensors entry {name} has {end - begin} bytes for shape {shape}"
+            )
+        f.seek(data_start + begin)
+        _readinto(f, out.view(-1), path, name)
+        return out
 
     def _read_region(
         self,
@@ -239,7 +264,9 @@ class _Loader:
         return self.staging[:nbytes].view(dtype)
 
     def finish(self, path: Path) -> None:
-        """Tie what the config ties, check every parameter is filled, install the tensors."""
+        """Tie what the config ties, pack the quantized layers, check every parameter is filled,
+        install the tensors."""
+        quantization.finalize(self.model, path)
         tie = self.model.args.tie_word_embeddings
         for name, source in getattr(self.model, "tied_weights", {}).items():
             if name in self.params and name not in self.tensors and tie and source in self.tensors:

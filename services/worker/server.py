@@ -193,8 +193,8 @@ def model_runner(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    source = resolve_model(args.model)
     config = from_cli_args(EngineConfig, args)  # the engine options the worker offers
+    source = resolve_model(args.model, quantization=config.quantization)
     runner = load_runner(
         source.path, source.config, source.eos_token_ids(), config, config.tensor_parallel_size, args.threads
     )

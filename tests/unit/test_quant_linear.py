@@ -140,3 +140,20 @@ def test_fp8_weight():
     x = torch.randn(3, 32)
     torch.testing.assert_close(kernel(x), x @ (w8.float() * scale[:, None]).T, rtol=1e-5, atol=1e-5)
     assert kernel.nbytes() == 16 * 32 + 16 * 4
+
+
+def test_dequant_rows_are_an_embedding_lookup():
+    w = _weight(50, 64, 4, 32)
+    kernel = ql.pack(w, torch.float32, torch.device("cpu"), kernel="dequant")
+    ids = torch.tensor([3, 0, 49, 3])
+    torch.testing.assert_close(kernel.rows(ids), w.dequantize()[ids])
+
+
+def test_float8_weight_rows_and_pack():
+    w8 = torch.randn(32, 16).to(torch.float8_e4m3fn)
+    fw = ql.Float8Weight(w8, torch.rand(32) + 0.5)
+    both = ql.Float8Weight.cat_rows([fw.rows(0, 10), fw.rows(10, 22)])
+    torch.testing.assert_close(both.dequantize(), fw.dequantize())
+    x = torch.randn(2, 16)
+    kernel = ql.pack(fw, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(kernel(x), x @ fw.dequantize().T, rtol=1e-5, atol=1e-5)
