@@ -20,8 +20,10 @@ Integer packing: ``32 / bits`` values per int32, value ``j`` in bits ``[j * bits
   ``q + 2**(bits-1)`` for signed ``q``; ``weight_scale`` ``[N, K / G]`` (``[N, 1]`` per channel);
   asymmetric: ``weight_zero_point`` packed the same way along the outputs, ``[N / pack, K / G]``;
   act-order: ``weight_g_idx`` ``[K]``. ``W = (q - zero) * scale``.
-  ``float-quantized``: ``weight`` float8 e4m3 ``[N, K]``, ``weight_scale`` ``[N, 1]`` or ``[1]``;
-  weight-only (activation quantization is refused, naming it). ``config_groups`` give each group's
+  ``float-quantized`` (and ``naive-quantized`` with float weights, which llm-compressor writes for
+  weight-only FP8): ``weight`` float8 e4m3 ``[N, K]``, ``weight_scale`` ``[N, 1]`` or ``[1]``;
+  ``naive-quantized`` int: ``weight`` int8 ``[N, K]`` of the signed values. Weight-only: activation
+  quantization is refused, naming it. ``config_groups`` give each group's
   ``targets`` (``Linear`` or ``re:`` patterns), ``ignore`` the modules left float.
 """
 
@@ -187,7 +189,9 @@ class CompressedTensorsScheme(Scheme):
                         f"compressed-tensors {gname}: pack-quantized {weights.get('type')}"
                     )
                 _check_bits("compressed-tensors pack-quantized", int(weights.get("num_bits", 4)))
-            elif fmt == "float-quantized":
+            elif fmt == "naive-quantized" and weights.get("type", "int") == "int":
+                _check_bits("compressed-tensors naive-quantized", int(weights.get("num_bits", 8)))
+            elif fmt in ("float-quantized", "naive-quantized"):
                 if weights.get("type") != "float" or int(weights.get("num_bits", 8)) != 8:
                     raise UnsupportedModelError(
                         f"compressed-tensors {gname}: float-quantized {weights.get('num_bits')}-bit "
@@ -199,7 +203,8 @@ class CompressedTensorsScheme(Scheme):
                     )
             else:
                 raise UnsupportedModelError(
-                    f"compressed-tensors format {fmt!r} is not supported (pack-quantized, float-quantized)"
+                    f"compressed-tensors format {fmt!r} is not supported "
+                    "(pack-quantized, float-quantized, naive-quantized)"
                 )
             self.groups.append((list(group.get("targets") or []), fmt, weights))
 
@@ -217,7 +222,7 @@ class CompressedTensorsScheme(Scheme):
 
     def decode(self, tensors, module):
         fmt, weights = self._group(module)
-        if fmt == "float-quantized":
+        if weights.get("type") == "float":
             _require(tensors, ("weight", "weight_scale"), module)
             w = tensors["weight"]
             if w.dtype != torch.float8_e4m3fn:
@@ -225,25 +230,24 @@ class CompressedTensorsScheme(Scheme):
             scale = tensors["weight_scale"].float().reshape(-1)
             return ql.Float8Weight(w, scale.expand(w.shape[0]).contiguous() if scale.numel() == 1 else scale)
         bits = int(weights.get("num_bits", 4))
-        _require(tensors, ("weight_packed", "weight_scale"), module)
-        n, k = (
-            (int(v) for v in tensors["weight_shape"].tolist()) if "weight_shape" in tensors else (None, None)
-        )
-        q = unpack_int32(tensors["weight_packed"], bits, dim=1)
-        n = n or q.shape[0]
-        k = k or q.shape[1]
-        q = q[:n, :k]
+        if fmt == "naive-quantized":  # signed integers, one per int8
+            _require(tensors, ("weight", "weight_scale"), module)
+            q = (tensors["weight"].to(torch.int16) + 2 ** (bits - 1)).to(torch.uint8)
+        else:
+            _require(tensors, ("weight_packed", "weight_scale"), module)
+            q = unpack_int32(tensors["weight_packed"], bits, dim=1)
+            if "weight_shape" in tensors:
+                n, k = (int(v) for v in tensors["weight_shape"].tolist())
+                q = q[:n, :k]
+        n = q.shape[0]
         scale = tensors["weight_scale"].reshape(n, -1)
         if weights.get("symmetric", True):
             zero = torch.full(scale.shape, float(2 ** (bits - 1)))
         else:
             _require(tensors, ("weight_zero_point",), module)
             zp = tensors["weight_zero_point"]
-            zero = (
-                unpack_int32(zp, bits, dim=0)[:n]
-                if zp.dtype == torch.int32
-                else (zp.to(torch.int32) + 2 ** (bits - 1))
-            )
+            packed = zp.dtype == torch.int32 and fmt == "pack-quantized"
+            zero = unpack_int32(zp, bits, dim=0)[:n] if packed else zp.to(torch.int32) + 2 ** (bits - 1)
             zero = zero.reshape(n, -1).float()
         g_idx = tensors.get("weight_g_idx")
         return canonical(q, scale, zero, bits, None if g_idx is None else g_idx.long())

@@ -185,7 +185,7 @@ def quantize_modules(model: nn.Module, scheme: Scheme, device: torch.device, dty
             )
         mixin = QuantizedEmbeddingMixin if is_embedding else QuantizedLinearMixin
         module.__class__ = _quantized_class(type(module), mixin)
-        del module._parameters["weight"]
+        module.register_parameter("weight", None)  # no float weight: code that checks for one skips it
         module.quant_scheme, module.quant_parts = scheme, parts
         module.quant_tensors = {part: {} for part in parts}
         module.quant_target = (torch.device(device), dtype)
