@@ -101,6 +101,8 @@ class QuantizedWeight:
             return self
         if self.perm is not None:
             raise ValueError("a column slice of an act-order (permuted) weight is not supported")
+        if g == self.q.shape[1]:  # per channel: every slice keeps the row's one scale
+            return replace(self, q=self.q[:, start : start + length], group_size=length)
         if start % g or length % g:
             raise ValueError(f"columns [{start}, {start + length}) do not fall on groups of {g}")
         gs = slice(start // g, (start + length) // g)

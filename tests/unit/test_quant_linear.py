@@ -117,6 +117,8 @@ def test_rows_columns_and_cat():
     torch.testing.assert_close(w.columns(64, 64).dequantize(), w.dequantize()[:, 64:])
     with pytest.raises(ValueError, match="groups of 32"):
         w.columns(16, 64)
+    per_channel = _weight(16, 96, 8, 96)
+    torch.testing.assert_close(per_channel.columns(40, 24).dequantize(), per_channel.dequantize()[:, 40:64])
 
 
 def test_shape_mismatch_is_refused():
