@@ -17,8 +17,9 @@ the layer then computes ``x[:, perm] @ W^T``. A zero point ``z`` is ``offset = -
 - ``int4pack_x2``: 5- to 8-bit weights as two int4pack matmuls, ``q = 16 * hi + lo`` (exact);
 - ``int8pack``: ``aten._weight_int8pack_mm`` (per-channel scales only), ``q - 128`` as int8, the
   offset added back as ``x.sum(-1) * (offset + 128 * scale)``;
-- ``dequant``: dequantize to the compute dtype, then ``F.linear`` (the reference; any shape; the
-  only one on GPUs until a GPU kernel is added).
+- ``dequant``: dequantize to the compute dtype, then ``F.linear`` (the reference; any shape, any
+  device);
+- ``triton`` (CUDA): ``fuseserve.kernels.triton_quant_linear``, dequantizing inside a Triton GEMM.
 
 ``choose_kernel`` picks among the kernels that accept the weight on this device by measuring them on
 the layer's shape (1 and 16 rows), after checking each against the reference; the choice is cached
@@ -337,9 +338,22 @@ KERNELS: dict[str, type[PackedLinear]] = {k.name: k for k in (Int4Pack, Int4Pack
 """Every kernel by name; ``Dequant`` is the reference the others are tested against."""
 
 
+def kernels_for(device: torch.device) -> dict[str, type[PackedLinear]]:
+    """``KERNELS`` plus, on CUDA where Triton imports, the Triton GEMM
+    (``fuseserve.kernels.triton_quant_linear``)."""
+    kernels = dict(KERNELS)
+    if torch.device(device).type == "cuda":
+        try:
+            from fuseserve.kernels.triton_quant_linear import TritonQuantLinear
+        except ImportError:
+            return kernels
+        kernels[TritonQuantLinear.name] = TritonQuantLinear
+    return kernels
+
+
 def candidates(w: QuantizedWeight, device: torch.device) -> list[str]:
     """Names of the kernels that accept ``w`` on ``device``."""
-    return [name for name, k in KERNELS.items() if k.accepts(w, device)]
+    return [name for name, k in kernels_for(device).items() if k.accepts(w, device)]
 
 
 def choose_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> str:
@@ -352,20 +366,19 @@ def choose_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) 
 @functools.cache
 def _choose(shape, bits, group, permuted, dtype, device) -> str:
     device = torch.device(device)
-    if device.type != "cpu":
-        return "dequant"
     gen = torch.Generator().manual_seed(0)
     w = _probe_weight(shape, bits, group, gen)
     names = candidates(w, device)
     if len(names) == 1:
         return names[0]
-    xs = [torch.randn(m, shape[1], generator=gen).to(dtype) for m in (1, 16)]
-    ref = Dequant(w, dtype)
+    xs = [torch.randn(m, shape[1], generator=gen).to(dtype).to(device) for m in (1, 16)]
+    ref = Dequant(w, dtype).to(device)
     want = [ref(x).float() for x in xs]
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     kernels: dict[str, PackedLinear] = {}
+    classes = kernels_for(device)
     for name in names:
-        kernel = ref if name == "dequant" else KERNELS[name](w, dtype)
+        kernel = ref if name == "dequant" else classes[name](w, dtype).to(device)
         got = [kernel(x).float() for x in xs]
         if any((g - r).norm() > tol * r.norm() for g, r in zip(got, want, strict=True)):
             log.warning("quantized kernel %s disagrees with the reference on %s; not used", name, shape)
@@ -403,13 +416,20 @@ def _race(kernels: dict[str, PackedLinear], xs: list[torch.Tensor], rounds: int 
     for r in range(rounds):
         for name, kernel in kernels.items():
             for i, x in enumerate(xs):
+                _sync(x)
                 start = time.perf_counter()
                 kernel(x)
+                _sync(x)
                 best[name][i] = min(best[name][i], time.perf_counter() - start)
         if r == 0:
             fastest = min(sum(v) for v in best.values())
             kernels = {name: k for name, k in kernels.items() if sum(best[name]) <= 3 * fastest}
     return {name: sum(v) for name, v in best.items()}
+
+
+def _sync(x: torch.Tensor) -> None:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
 
 
 def pack(
@@ -424,7 +444,7 @@ def pack(
     if isinstance(w, Float8Weight):
         return FP8Weight(w.weight, w.scale, dtype).to(device)
     name = kernel or choose_kernel(w, dtype, device)
-    cls = KERNELS[name]
+    cls = kernels_for(device)[name]
     if not cls.accepts(w, device):
         raise ValueError(
             f"kernel {name} does not accept a {w.bits}-bit weight {w.shape} in groups of {w.group_size}"
