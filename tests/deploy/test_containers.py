@@ -9,15 +9,17 @@ scheduler, ``--scale worker=2`` and, with ``--profile monitoring``, Prometheus, 
 
 - the ``openai`` client gets "Paris" through the gateway's published port, which refuses a missing
   or wrong API key;
-- each worker compiled and chose the C++ CPU attention operator (its log says so);
+- ``convert-model`` compiled the C++ CPU attention operator once, and each worker chose it (its log
+  says so) without compiling its own;
+- no container restarted on the way up (each starts through ``deploy/restart-backoff.sh``);
 - Prometheus (the offline Debian image, on ``monitoring/prometheus.yml`` and the alert rules) has
   every target up: the gateway, the scheduler and both workers;
 - one worker container is stopped (SIGTERM: it drains) while 8 streams run, and all 8 finish with
   the text of an undisturbed run; the container is then removed and the stack keeps serving;
 - the gateway's token counter, as Prometheus scraped it, equals the tokens the clients received
   (``usage.completion_tokens`` of every request of this module);
-- ``compose down`` leaves no container of the project behind, and ``podman-compose.sh`` stops the
-  Podman API service and health-check loop it started.
+- ``compose down -v`` leaves no container, network or volume of the project behind, and
+  ``podman-compose.sh`` stops the Podman API service and health-check loop it started.
 
 Timings (image build, time from ``up`` to each stage of ready) and image sizes are printed (``-s``
 shows them) and written to ``deploy/.cache/container-test.json``.
@@ -367,6 +369,9 @@ def test_a_worker_stopped_under_load_loses_no_stream(stack):
     REPORT["worker_stop_s"] = round(time.monotonic() - t0, 1)
     exit_code = _run("podman", "inspect", "--format", "{{.State.ExitCode}}", victim).strip()
     REPORT["stopped_worker_exit_code"] = exit_code
+    REPORT["stopped_worker_drain_log"] = [  # how the drain went (its timings, what was handed back)
+        line[-200:] for line in _logs(victim).splitlines() if "drain" in line.lower()
+    ][-8:]
     runner.join(timeout=900)
     assert not runner.is_alive()
     failures = [r for r in results if not isinstance(r, str)]
@@ -400,6 +405,9 @@ def test_compose_down_leaves_nothing_running(stack):
     _, _, env = stack
     _compose("down", "-v", "--remove-orphans", env=env)
     assert _containers(all_states=True) == []
+    for kind in ("network", "volume"):  # compose names them <project>_<name>
+        names = _run("podman", kind, "ls", "--format", "{{.Name}}").split()
+        assert [n for n in names if n.startswith(f"{PROJECT}_")] == [], (kind, names)
     others = _run("podman", "ps", "-aq", "--filter", "label=com.docker.compose.project").split()
     if not others:  # no other compose project on this Podman: the script stopped what it started
         for pidfile in ("service.pid", "healthchecks.pid"):
