@@ -188,6 +188,8 @@ class EngineConfig:
     max_preemptions: preemptions allowed per sequence before it may no longer be preempted.
     prefix_aware_placement: place a new sequence on the worker holding most of its prefix, among
         the workers whose load is near the least (``Scheduler.place``); False: by load only.
+    compile: compile the model's forward with ``torch.compile`` (``services/worker/compiled_forward.py``);
+        flag ``--no-compile``.
     quantization: one of ``QUANTIZATIONS`` or None (a GGUF file dequantized to float32).
     """
 
@@ -283,6 +285,12 @@ class EngineConfig:
         "compressed-tensors) load quantized without it (default: none)",
         commands=("generate", "serve", "worker"),
         choices=QUANTIZATIONS,
+    )
+    compile: bool = option(
+        True,
+        "run the model eagerly (default: its forward compiled with torch.compile at start, cached "
+        "across restarts, attention left as its own kernel)",
+        commands=_RUNNER,
     )
     watermark_blocks: int = 1
     max_preemptions: int = 4

@@ -8,6 +8,10 @@ import pathlib
 import pytest
 import torch
 
+# Compilation (services/worker/compiled_forward.py) is off in tests, and in the processes they start,
+# unless a test sets FUSESERVE_COMPILE=1 (tests/pipeline/test_compiled_greedy.py).
+os.environ.setdefault("FUSESERVE_COMPILE", "0")
+
 if not torch.cuda.is_available():
     # Triton kernels run interpreted without a GPU; the choice is made when triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -96,11 +96,13 @@ class CpuAttentionBackend(AttentionBackend):
 
 @dataclass
 class ForwardContext:
-    """Everything attention needs for one pass: backend, its metadata, the KV cache."""
+    """Everything attention needs for one pass: backend, its metadata, the KV cache, and the number of
+    real tokens when the pass is padded to a compiled shape."""
 
     backend: AttentionBackend
     metadata: Any
     kv_cache: KVCache
+    num_tokens: int | None = None  # the batch's tokens when a compiled pass pads them (else None)
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -133,10 +135,23 @@ def attention(
     ``sliding_window`` (tokens) and ``soft_cap`` are this layer's; None means full causal attention
     and uncapped scores. Raises ``RuntimeError`` when called outside ``forward_context``.
     """
+    if torch.compiler.is_compiling():  # one opaque call in the compiled graph (``compiled_forward``)
+        return torch.ops.fuseserve.attention(q, k, v, layer_idx, scale, sliding_window or 0, soft_cap or 0.0)
+    return _attend(layer_idx, q, k, v, scale, sliding_window, soft_cap)
+
+
+def _attend(layer_idx, q, k, v, scale, sliding_window, soft_cap) -> torch.Tensor:
+    """``attention()`` through the current ``ForwardContext``'s backend. A compiled pass may carry
+    padding rows beyond the batch's tokens (``ForwardContext.num_tokens``): they are left out of the
+    KV write and attention, and their output is zero."""
     ctx = _CONTEXT.get()
     if ctx is None:
         raise RuntimeError("attention() called outside a forward_context")
-    return ctx.backend.forward(
+    num_tokens = q.shape[0] if ctx.num_tokens is None else ctx.num_tokens
+    padded = q.shape[0] - num_tokens
+    if padded:
+        q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
+    out = ctx.backend.forward(
         q,
         k,
         v,
@@ -147,6 +162,28 @@ def attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
+    return torch.nn.functional.pad(out, (0, 0, 0, padded)) if padded else out
+
+
+@torch.library.custom_op("fuseserve::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int,
+    soft_cap: float,
+) -> torch.Tensor:
+    """``attention()`` as one operator for ``torch.compile``: the compiler sees an opaque call
+    ``[T, H, D]`` → ``[T, H*D]``; the KV cache and the metadata come from the ``ForwardContext`` at
+    run time (0 = no window / no cap)."""
+    return _attend(layer_idx, q, k, v, scale, sliding_window or None, soft_cap or None)
+
+
+@_attention_op.register_fake
+def _(q, k, v, layer_idx, scale, sliding_window, soft_cap):
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -8,6 +8,7 @@ serves the in-process pipeline and the gRPC worker (``docs/architecture.md``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -16,8 +17,9 @@ from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_de
 from fuseserve.errors import KVCacheTooSmallError
 from fuseserve.structured import model_grammar_backend
 from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
-from fuseserve.worker import parallel
+from fuseserve.worker import compiled_forward, parallel, prepacked_linear
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
+from fuseserve.worker.compiled_forward import CompiledForward
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
 from fuseserve.worker.multi_pass_run import run_passes
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30  # 1 GiB
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after the weights load
+DEFAULT_WARM_UP_TOKENS = 512  # largest pass compiled at start when no token budget is given
 
 
 class ModelRunner:
@@ -59,11 +62,17 @@ class ModelRunner:
         self.dtype = parse_dtype(self.config.dtype, self.device)
         self.hf_config = hf_config
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
+        if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
+            prepacked_linear.prepack(self.model)  # CPU float32 only; FUSESERVE_PREPACK=0: F.linear
         self.block_size = self.config.block_size
         self.backend = backend or get_backend(
             self.config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
         )
         self.kv_cache = self._allocate_kv_cache()
+        self.compiled: CompiledForward | None = None
+        self.compile_s = 0.0  # seconds the warm-up compilation took (0 without compilation)
+        if compiled_forward.wanted(self.config.compile) and parallel.world()[1] == 1:
+            self._compile(progress)
         num_blocks = self.kv_cache.num_blocks
         self.seq_table = SeqTable(
             num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
@@ -88,6 +97,20 @@ class ModelRunner:
             str(self.device),
             str(self.dtype).split(".")[-1],
         )
+
+    def _compile(self, progress: bool) -> None:
+        """Compile the forward (``compiled_forward``) and run its warm-up; a model the compiler cannot
+        take whole (a data-dependent shape, say) is logged and runs eagerly."""
+        budget = min(
+            self.config.token_budget or DEFAULT_WARM_UP_TOKENS, self.model.args.max_position_embeddings
+        )
+        compiled = CompiledForward(self.model)
+        try:
+            self.compile_s = compiled.warm_up(self.backend, self.kv_cache, self.block_size, budget, progress)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: eager is always correct
+            log.warning("torch.compile failed, the model runs eagerly: %s", str(e).splitlines()[0][:300])
+            return
+        self.compiled = compiled
 
     def _allocate_kv_cache(self) -> KVCache:
         """The paged KV cache of this rank's KV heads, as many blocks as ``_kv_memory_bytes`` holds;
@@ -146,7 +169,7 @@ class ModelRunner:
         tokens: list[SampledToken] = []
         if sampling_chunks:
             states = [self.seqs[c.seq_id].sampling for c in sampling_chunks]
-            out = self.sampler(logits, states)
+            out = self.sampler(logits, states, inplace=True)  # the pass's own logits
             ids = out.token_ids.tolist()
             for i, c in enumerate(sampling_chunks):
                 self.seq_table.sampled(c.seq_id, ids[i])
@@ -174,12 +197,22 @@ class ModelRunner:
         if all_logits:
             batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
         metadata = self.backend.prepare(batch, self.block_size)
-        with forward_context(ForwardContext(self.backend, metadata, self.kv_cache)):
-            hidden = self.model(batch.input_ids, batch.positions)
-            logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
-            self._scored = self.scorer.score(hidden, self.model.compute_logits, self._score_rows)
+        hidden, logits = self.forward_batch(batch, metadata)
         self.seq_table.computed(plan.chunks)
         return logits, sampling_chunks
+
+    def forward_batch(self, batch: RaggedBatch, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over ``batch``: hidden states ``[T, hidden]`` and fp32 logits ``[S', vocab]`` of
+        ``batch.logits_indices``; prompt logprobs of this pass go to ``self._scored``."""
+        ctx = ForwardContext(self.backend, metadata, self.kv_cache)
+        with forward_context(ctx):
+            if self.compiled is not None:
+                hidden = self.compiled(batch.input_ids, batch.positions, ctx)
+            else:
+                hidden = self.model(batch.input_ids, batch.positions)
+            logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+            self._scored = self.scorer.score(hidden, self.model.compute_logits, self._score_rows)
+        return hidden, logits
 
     def prepare(self, plan: StepPlan) -> tuple[RaggedBatch, list[SeqChunk]]:
         """Build the flattened ragged batch; block tables grow by the ids the chunks carry.
@@ -188,11 +221,8 @@ class ModelRunner:
         ``InvalidBlockError`` for a block id outside the pool.
         """
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, context_lens, tables, logits_idx, sampling_chunks = [], [], [], [], []
+        starts, query_lens, context_lens, tables, logits_idx, sampling_chunks = [], [], [], [], [], []
         self._score_rows = []
-        bs = self.block_size
         for c in plan.chunks:
             seq, tokens, table = self.seq_table.admit(c)
             if c.prefix_token_ids:  # a cached prefix: its tokens count for penalties all the same
@@ -205,36 +235,53 @@ class ModelRunner:
                 )
                 if rows is not None:
                     self._score_rows.append(rows)
-            end = c.start_pos + c.num_tokens
             input_ids.extend(tokens)
-            positions.extend(range(c.start_pos, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start_pos, end))
+            starts.append(c.start_pos)
             query_lens.append(c.num_tokens)
-            context_lens.append(end)
+            context_lens.append(c.start_pos + c.num_tokens)
             tables.append(table)
             if c.sample:
                 logits_idx.append(len(input_ids) - 1)
                 sampling_chunks.append(c)
-        max_blocks = max((len(t) for t in tables), default=0)
+        batch = self._ragged_batch(input_ids, starts, query_lens, context_lens, tables, logits_idx)
+        return batch, sampling_chunks
+
+    def _ragged_batch(
+        self,
+        input_ids: list[int],
+        starts: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        tables: list[list[int]],
+        logits_idx: list[int],
+    ) -> RaggedBatch:
+        """The pass's tensors, each built in one go: positions and slots from per-chunk counts and
+        the padded block tables (no per-token Python)."""
         dev = self.device
-        bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
-        batch = RaggedBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=bt.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+        bs = self.block_size
+        max_blocks = max((len(t) for t in tables), default=0)
+        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        bt = bt.reshape(len(tables), max_blocks)
+        q = torch.tensor(query_lens, dtype=torch.long)
+        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        torch.cumsum(q, 0, out=cu[1:])
+        num_tokens = len(input_ids)
+        # token i of chunk j sits at position starts[j] + (i - cu[j])
+        chunk_of = torch.repeat_interleave(torch.arange(len(query_lens)), q, output_size=num_tokens)
+        shift = torch.tensor(starts, dtype=torch.long) - cu[:-1].long()
+        positions = torch.arange(num_tokens) + shift[chunk_of]
+        slots = bt[chunk_of, positions // bs].long() * bs + positions % bs
+        return RaggedBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            cu_seqlens_q=cu.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=bt.to(dev, non_blocking=True),
+            slot_mapping=slots.to(dev, non_blocking=True),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long).to(dev, non_blocking=True),
             query_lens=query_lens,
             context_lens=context_lens,
         )
-        return batch, sampling_chunks
 
     @staticmethod
     def _record_tokens(seq: WorkerSeq, start_pos: int, tokens: list[int]) -> None:

@@ -136,8 +136,14 @@ class Sampler:
         self._grammar_backend = grammar_backend
         self._grammars: GrammarBackend | None = None
 
-    def __call__(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, states: list[SeqSamplingState], inplace: bool = False
+    ) -> SamplerOutput:
         """Sample ``[S]`` token ids from ``logits [S, V]`` (any float dtype), rows aligned with ``states``.
+
+        ``inplace``: the caller gives up ``logits`` (the model runner's own fp32 logits), so the logit
+        processors work on it directly instead of on a copy, unless a row asks for logprobs (which
+        are taken from the raw logits).
 
         Raises:
             ValueError: the row count differs from ``len(states)`` or ``V < vocab_size``.
@@ -147,7 +153,8 @@ class Sampler:
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits width {logits.shape[1]} is below vocab_size {self.vocab_size}")
         raw = logits.to(torch.float32)
-        work = raw.clone()
+        needs_raw = any(st.params.logprobs is not None for st in states)
+        work = raw if inplace and raw is logits and not needs_raw else raw.clone()
         apply_eos_ban(work, states, self.eos_token_ids)
         apply_logit_bias(work, states)
         self._apply_grammars(work, states)

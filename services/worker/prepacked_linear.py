@@ -1,0 +1,114 @@
+"""Linear layers with their weights packed once, at load, for oneDNN's matmul (CPU, float32).
+
+``F.linear`` on a float32 CPU tensor calls MKL's sgemm, which re-reads the weight in its plain
+layout every call; oneDNN can reorder the weight once into the blocked layout its AVX2 / AVX-512
+kernels read (``torch.ops.mkldnn._reorder_linear_weight``), and ``torch.ops.mkldnn._linear_pointwise``
+then multiplies by the packed weight directly. Measured on a 2-vCPU AVX2 EPYC with SmolLM2's shapes:
+``benchmarks/README.md`` ("Against vLLM"). ``FUSESERVE_PREPACK=0`` keeps ``F.linear`` (to compare).
+
+``prepack(model)`` switches every plain ``nn.Linear`` (quantized layers keep their own kernels) of a
+float32 CPU model on one rank (no tensor
+parallelism) to the packed weight: the module keeps the packed weight as the buffer
+``packed_weight``, answers ``forward`` from it, and drops its plain weight unless another module
+shares that tensor (a tied LM head keeps the embedding's). Output equals ``F.linear`` up to float32
+rounding (a different summation order). Under ``torch.compile`` the packed call is the opaque
+operator ``fuseserve::packed_linear`` (inductor's own lowering of the oneDNN call rejects float32).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+BATCH_HINT = 64
+"""Rows the packed layout is chosen for (oneDNN's hint; any row count works)."""
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN and the packed linear operators."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+_MODULES: list[weakref.ref] = []
+"""The packed modules by index: the compiled graph names a module by its index, so the packed
+weight (a oneDNN-layout tensor the compiler cannot trace) never enters the graph."""
+
+
+def _matmul(module: nn.Linear, x2d: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(
+        x2d.contiguous(), module.packed_weight, module.bias, "none", [], ""
+    )
+
+
+@torch.library.custom_op("fuseserve::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, index: int) -> torch.Tensor:
+    """``x [T, in]`` times module ``index``'s packed weight → ``[T, out]`` (one opaque call when compiled)."""
+    return _matmul(_MODULES[index](), x)
+
+
+@_packed_linear_op.register_fake
+def _(x, index):
+    return x.new_empty((x.shape[0], _MODULES[index]().out_features))
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x [..., in]`` → ``[..., out]`` through the packed weight."""
+    shape = x.shape
+    x2d = x.reshape(-1, shape[-1])
+    if torch.compiler.is_compiling():
+        y = torch.ops.fuseserve.packed_linear(x2d, self.packed_index)
+    else:
+        y = _matmul(self, x2d)
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def prepack(model: nn.Module) -> int:
+    """Pack the float32 weights of ``model``'s CPU ``nn.Linear`` modules; returns how many were packed.
+
+    Call once, after the weights are loaded; only a single-rank model (each module's ``forward`` of a
+    tensor-parallel layer reduces across ranks, which the packed path does not).
+    """
+    if not available():
+        return 0
+    from fuseserve.worker.models.layers import MergedLinear
+    from fuseserve.worker.parallel import ParallelLMHead, RowParallelLinear
+
+    plain = (nn.Linear, MergedLinear, RowParallelLinear, ParallelLMHead)  # not quantized subclasses
+    shared = _shared_weights(model)
+    packed = 0
+    for module in model.modules():
+        if type(module) not in plain or not isinstance(module.weight, torch.Tensor):
+            continue
+        w = module.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+            continue
+        module.register_buffer(
+            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT), persistent=False
+        )
+        module.packed_index = len(_MODULES)
+        _MODULES.append(weakref.ref(module))
+        module.forward = types.MethodType(_packed_forward, module)
+        if w.data_ptr() not in shared:
+            module.weight = None  # the packed copy replaces it (the memory stays the weights' size)
+        packed += 1
+    log.info("prepacked %d linear layers for oneDNN (float32, CPU)", packed)
+    return packed
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """Data pointers of parameters held by more than one module (tied embeddings)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            seen[p.data_ptr()] = seen.get(p.data_ptr(), 0) + 1
+    return {ptr for ptr, n in seen.items() if n > 1}
