@@ -19,6 +19,8 @@ the layer then computes ``x[:, perm] @ W^T``. A zero point ``z`` is ``offset = -
   offset added back as ``x.sum(-1) * (offset + 128 * scale)``;
 - ``dequant``: dequantize to the compute dtype, then ``F.linear`` (the reference; any shape, any
   device);
+- ``cpu_gemv`` (CPU, with a C++ compiler): ``fuseserve.kernels.cpu_quant_linear``, the packed integers
+  widened block by block inside a C++ loop for passes of few rows;
 - ``triton`` (CUDA): ``fuseserve.kernels.triton_quant_linear``, dequantizing inside a Triton GEMM.
 
 ``choose_kernel`` picks among the kernels that accept the weight on this device by measuring them on
@@ -339,9 +341,15 @@ KERNELS: dict[str, type[PackedLinear]] = {k.name: k for k in (Int4Pack, Int4Pack
 
 
 def kernels_for(device: torch.device) -> dict[str, type[PackedLinear]]:
-    """``KERNELS`` plus, on CUDA where Triton imports, the Triton GEMM
+    """``KERNELS`` plus, on the CPU where a C++ compiler builds it, the few-row C++ kernel
+    (``fuseserve.kernels.cpu_quant_linear``), and on CUDA where Triton imports, the Triton GEMM
     (``fuseserve.kernels.triton_quant_linear``)."""
     kernels = dict(KERNELS)
+    if torch.device(device).type == "cpu":
+        from fuseserve.kernels import cpu_quant_linear
+
+        if cpu_quant_linear.available():
+            kernels[cpu_quant_linear.CpuQuantGemv.name] = cpu_quant_linear.CpuQuantGemv
     if torch.device(device).type == "cuda":
         try:
             from fuseserve.kernels.triton_quant_linear import TritonQuantLinear
