@@ -106,6 +106,7 @@ class CpuQuantGemv(PackedLinear):
     def pack(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         from fuseserve.kernels.triton_quant_linear import pack_weight
 
+        load()  # here, not in matmul: torch.compile traces the registered operator, not the loader
         self.dtype = torch.float32  # the C++ kernel computes in fp32 (PackedLinear casts x and y)
         self.bits, self.group = w.bits, w.group_size
         self.tensors = {"w": pack_weight(w), "scale": w.scale.contiguous(), "offset": w.offset.contiguous()}
@@ -125,5 +126,5 @@ class CpuQuantGemv(PackedLinear):
             return F.linear(x, self.weight())
         t = self.tensors
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        load().quant_gemv(y, x, t["w"], t["scale"], t["offset"], self.bits, self.group)
+        torch.ops.fuseserve_cpu_quant.quant_gemv(y, x, t["w"], t["scale"], t["offset"], self.bits, self.group)
         return y

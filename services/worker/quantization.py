@@ -258,14 +258,14 @@ def _rank_weight(module: nn.Module) -> ql.QuantizedWeight | ql.Float8Weight:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Resident bytes of the model's weights: parameters, persistent buffers and packed quantized
-    weights (rotary tables and other non-persistent buffers excluded)."""
+    """Resident bytes of the model's weights: parameters, buffers (a prepacked float weight is one)
+    and packed quantized weights; the rotary tables (``cos``, ``sin``) excluded."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         packed = getattr(module, "packed", None)
         if isinstance(packed, ql.PackedLinear):
             total += packed.nbytes()
         for key, buf in module._buffers.items():
-            if buf is not None and key not in module._non_persistent_buffers_set:
+            if buf is not None and key not in ("cos", "sin"):
                 total += buf.numel() * buf.element_size()
     return total
