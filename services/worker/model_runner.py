@@ -169,7 +169,8 @@ class ModelRunner:
         tokens: list[SampledToken] = []
         if sampling_chunks:
             states = [self.seqs[c.seq_id].sampling for c in sampling_chunks]
-            out = self.sampler(logits, states, inplace=True)  # the pass's own logits
+            with torch.inference_mode():  # the logits are inference tensors: processed in place
+                out = self.sampler(logits, states, inplace=True)
             ids = out.token_ids.tolist()
             for i, c in enumerate(sampling_chunks):
                 self.seq_table.sampled(c.seq_id, ids[i])
