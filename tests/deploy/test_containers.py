@@ -364,7 +364,7 @@ def test_a_worker_stopped_under_load_loses_no_stream(stack):
         assert event.wait(300)
     victim = workers[-1]
     t0 = time.monotonic()
-    _run("podman", "stop", "-t", "45", victim)  # SIGTERM, then the compose stop_grace_period
+    _run("podman", "stop", "-t", "60", victim)  # SIGTERM, then (the compose stop_grace_period) SIGKILL
     REPORT["stopped_worker"] = victim
     REPORT["worker_stop_s"] = round(time.monotonic() - t0, 1)
     exit_code = _run("podman", "inspect", "--format", "{{.State.ExitCode}}", victim).strip()
