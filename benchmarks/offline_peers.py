@@ -71,7 +71,7 @@ def run_one(system: str, dtype: str, a: argparse.Namespace) -> dict:
             kv_cache_memory="1GiB",
             dtype=dtype,
             progress=False,
-            compile=not a.no_compile,
+            compile=a.compile,
         )
         kw = dict(max_new_tokens=a.output_len, temperature=0.0, ignore_eos=True)
         pipe(warm, **kw)
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit-s", type=int, default=900, help="wall-clock limit per system x dtype")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the systems, alternating")
-    ap.add_argument("--no-compile", action="store_true", help="fuseserve with compile=False")
+    ap.add_argument("--compile", action="store_true", help="fuseserve with compile=True")
     ap.add_argument(
         "--vllm-budget", type=int, default=0, help="vLLM's max_num_batched_tokens (0: its default)"
     )
@@ -245,8 +245,8 @@ def run_system(system: str, dtype: str, a: argparse.Namespace, prompts: list[lis
         cmd = [sys.executable, "-m", "benchmarks.offline_peers", "--one", f"{system}:{dtype}"]
         cmd += [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in ("model", "requests", "prompt_mean")]
         cmd += [f"--output-len={a.output_len}", f"--token-budget={a.token_budget}", f"--seed={a.seed}"]
-        if a.no_compile:
-            cmd.append("--no-compile")
+        if a.compile:
+            cmd.append("--compile")
         env = None
     t0 = time.perf_counter()
     try:

@@ -189,7 +189,7 @@ class EngineConfig:
     prefix_aware_placement: place a new sequence on the worker holding most of its prefix, among
         the workers whose load is near the least (``Scheduler.place``); False: by load only.
     compile: compile the model's forward with ``torch.compile`` (``services/worker/compiled_forward.py``);
-        flag ``--no-compile``.
+        flag ``--compile``; off by default (not yet measured faster than eager on SmolLM2).
     quantization: one of ``QUANTIZATIONS`` or None (a GGUF file dequantized to float32).
     """
 
@@ -287,9 +287,9 @@ class EngineConfig:
         choices=QUANTIZATIONS,
     )
     compile: bool = option(
-        True,
-        "run the model eagerly (default: its forward compiled with torch.compile at start, cached "
-        "across restarts, attention left as its own kernel)",
+        False,
+        "compile the model's forward with torch.compile at start (cached across restarts, attention "
+        "left as its own kernel); off by default until it is measured faster than eager on SmolLM2",
         commands=_RUNNER,
     )
     watermark_blocks: int = 1

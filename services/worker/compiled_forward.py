@@ -11,7 +11,7 @@ the paged attention stays the backend's own kernel, reached through the opaque o
 Warm-up runs the compiled forward once per shape bucket (``warm_up_sizes``) at start, with a progress
 bar, so no request waits for a compilation. Inductor's cache lives in
 ``~/.cache/fuseserve/inductor`` (``$TORCHINDUCTOR_CACHE_DIR`` overrides), so a restart compiles from
-cache. ``compile=False`` (``--no-compile``) runs the model eagerly.
+cache. Off by default: ``compile=True`` (``--compile``) turns it on.
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ from fuseserve.worker.ragged_batch import RaggedBatch
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "FUSESERVE_COMPILE"
-"""``FUSESERVE_COMPILE=0`` turns compilation off for every runner of the process and its children
-(the test suite sets it; tests of compilation set it back), whatever ``compile`` says."""
+"""``FUSESERVE_COMPILE=0`` turns compilation off, ``=1`` on, for every runner of the process and its
+children, whatever ``compile`` says (the test suite sets 0; tests of compilation set 1)."""
 
 MIN_TOKENS = 2
 """Passes below this many tokens are padded to it (dynamo specialises sizes 0 and 1)."""
 
 
 def wanted(compile_option: bool) -> bool:
-    """Whether to compile: the ``compile`` option, unless ``$FUSESERVE_COMPILE`` is ``0``."""
-    return compile_option and os.environ.get(ENV_SWITCH, "1") != "0"
+    """Whether to compile: ``$FUSESERVE_COMPILE`` when it is ``0`` or ``1``, else the ``compile`` option."""
+    forced = os.environ.get(ENV_SWITCH)
+    return forced == "1" if forced in ("0", "1") else compile_option
 
 
 def cache_dir() -> Path:
