@@ -37,6 +37,9 @@ children, whatever ``compile`` says (the test suite sets 0; tests of compilation
 MIN_TOKENS = 2
 """Passes below this many tokens are padded to it (dynamo specialises sizes 0 and 1)."""
 
+RECOMPILE_LIMIT = 64
+"""Compiled entries dynamo keeps per forward code object, for all the runners of one process."""
+
 
 def wanted(compile_option: bool) -> bool:
     """Whether to compile: ``$FUSESERVE_COMPILE`` when it is ``0`` or ``1``, else the ``compile`` option."""
@@ -70,10 +73,16 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        # Dynamo keeps its compiled graphs per code object: every runner built in one process (a test
+        # session, a pipeline per model) compiles the same family forward again, guarded on its own
+        # parameters, and the default limit of 8 entries then sends the later ones back to eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._compiled = torch.compile(model, dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = input_ids.shape[0]
+        if not input_ids.is_inference():  # one kind of input tensor, one guard (padding makes inference ones)
+            input_ids, positions = input_ids.clone(), positions.clone()
         if n >= MIN_TOKENS:
             return self._compiled(input_ids, positions)
         pad = MIN_TOKENS - n
