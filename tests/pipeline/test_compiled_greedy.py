@@ -64,8 +64,9 @@ def test_compiled_greedy_matches_transformers(name, tmp_path, compiling):
 def test_smollm2_compiled_equals_eager(smollm2_source, monkeypatch):
     """SmolLM2: eight prompts, 24 greedy tokens, compiled and eager pipelines give the same tokens
     (a divergence only at a near-tie of the eager logits)."""
-    import fuseserve
     from transformers import AutoModelForCausalLM
+
+    import fuseserve
 
     tok = smollm2_source.load_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of"]
@@ -74,7 +75,11 @@ def test_smollm2_compiled_equals_eager(smollm2_source, monkeypatch):
     for flag in ("1", "0"):
         monkeypatch.setenv("FUSESERVE_COMPILE", flag)
         pipe = fuseserve.pipeline(
-            str(smollm2_source.path), token_budget=64, kv_cache_memory="256MiB", dtype="float32", progress=False
+            str(smollm2_source.path),
+            token_budget=64,
+            kv_cache_memory="256MiB",
+            dtype="float32",
+            progress=False,
         )
         try:
             assert (pipe.runner.compiled is not None) == (flag == "1")
