@@ -81,9 +81,9 @@ class CompiledForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = input_ids.shape[0]
-        if not input_ids.is_inference():  # one kind of input tensor, one guard (padding makes inference ones)
-            input_ids, positions = input_ids.clone(), positions.clone()
         if n >= MIN_TOKENS:
+            if not input_ids.is_inference():  # one kind of input, one guard: padding makes inference tensors
+                input_ids, positions = input_ids.clone(), positions.clone()
             return self._compiled(input_ids, positions)
         pad = MIN_TOKENS - n
         ctx.num_tokens = n
