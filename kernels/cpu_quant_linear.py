@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from fuseserve.kernels import cpu_attention
-from fuseserve.kernels.quant_linear import PackedLinear, QuantizedWeight
+from fuseserve.kernels.quant_kernels import PackedLinear
+from fuseserve.kernels.quant_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

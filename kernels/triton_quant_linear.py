@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseserve.kernels.quant_linear import PackedLinear, QuantizedWeight
+from fuseserve.kernels.quant_kernels import PackedLinear
+from fuseserve.kernels.quant_weight import QuantizedWeight
 
 BLOCK_K = 32  # the kernel's K step: two 16-wide halves
 
