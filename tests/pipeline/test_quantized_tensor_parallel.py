@@ -9,16 +9,10 @@ row-parallel slices of whole groups: refused at load, naming it.
 
 from __future__ import annotations
 
-import torch
-import torch.multiprocessing as mp
-from engine_driver import chunked_logits
 from quant_checkpoints import write_quantized
 from tiny_models import llama_config, random_model
+from tp_harness import one_rank, spawn_ranks
 
-from fuseserve.config import EngineConfig
-from fuseserve.worker.model_runner import ModelRunner
-
-SIZES = {1: 7, 2: 64, 3: 1, 4: 1}
 CASES = {
     "gptq-4bit-g32": dict(fmt="gptq", bits=4, group=32),
     "awq-4bit-g32": dict(fmt="awq", bits=4, group=32, sym=False),
@@ -28,45 +22,11 @@ CASES = {
 }
 
 
-def _runner(path) -> ModelRunner:
-    from transformers import AutoConfig
-
-    engine = EngineConfig(kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="float32")
-    return ModelRunner(
-        path, AutoConfig.from_pretrained(path), eos_token_ids=[0], progress=False, config=engine
-    )
-
-
-def _prompts(vocab: int) -> dict[int, list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return {
-        sid: torch.randint(1, vocab, (n,), generator=g).tolist()
-        for sid, n in zip(SIZES, (40, 90, 12, 5), strict=True)
-    }
-
-
-def _rank_main(rank: int, size: int, init_file: str, jobs: list[tuple[str, str]]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
-    try:
-        for path, out in jobs:
-            try:
-                runner = _runner(path)
-            except Exception as e:  # the refusal is the result
-                if rank == 0:
-                    torch.save(f"{type(e).__name__}: {e}", out)
-                continue
-            packed = [m.packed for m in runner.model.modules() if hasattr(m, "packed")]
-            assert packed and all(p.out_features * p.in_features > 0 for p in packed)
-            logits = chunked_logits(runner, _prompts(runner.vocab_size), SIZES)
-            if rank == 0:
-                torch.save(
-                    {"logits": logits, "shapes": [(p.out_features, p.in_features) for p in packed]}, out
-                )
-    finally:
-        dist.destroy_process_group()
+def _packed_shapes(runner) -> list[tuple[int, int]]:
+    """(out, in) features of every quantized layer's packed weight on this rank."""
+    packed = [m.packed for m in runner.model.modules() if hasattr(m, "packed")]
+    assert packed and all(p.out_features * p.in_features > 0 for p in packed)
+    return [(p.out_features, p.in_features) for p in packed]
 
 
 def test_two_ranks_equal_one(tmp_path):
@@ -77,30 +37,19 @@ def test_two_ranks_equal_one(tmp_path):
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    jobs, single = [], {}
-    for name, case in CASES.items():
-        path = tmp_path / name
+    paths = [tmp_path / name for name in CASES]
+    for case, path in zip(CASES.values(), paths, strict=True):
         write_quantized(random_model(config, seed=3), path, **case)
-        jobs.append((str(path), str(tmp_path / f"{name}.tp2.pt")))
-        runner = _runner(path)
-        single[name] = (
-            chunked_logits(runner, _prompts(config.vocab_size), SIZES),
-            [
-                (m.packed.out_features, m.packed.in_features)
-                for m in runner.model.modules()
-                if hasattr(m, "packed")
-            ],
-        )
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), jobs), nprocs=2, join=True)
-    for name, (_, out) in zip(CASES, jobs, strict=True):
-        got = torch.load(out)
+    single = {name: one_rank(path, _packed_shapes) for name, path in zip(CASES, paths, strict=True)}
+    tp = spawn_ranks(2, paths, tmp_path, inspect=_packed_shapes)
+    for name, got in zip(CASES, tp, strict=True):
         if name == "gptq-desc_act":
             assert isinstance(got, str) and "act-order" in got, got
             continue
         assert not isinstance(got, str), (name, got)
-        one_logits, one_shapes = single[name]
+        one = single[name]
         # each rank holds half of every quantized matrix: qkv / gate_up rows, o / down columns
-        assert [o * i for o, i in got["shapes"]] == [o * i // 2 for o, i in one_shapes], name
-        for sid, want in one_logits.items():
+        assert [o * i for o, i in got["inspect"]] == [o * i // 2 for o, i in one["inspect"]], name
+        for sid, want in one["logits"].items():
             err = (got["logits"][sid] - want).abs().max().item()
             assert err <= 1e-4, (name, sid, err)

@@ -14,71 +14,40 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from engine_driver import chunked_logits, free, greedy_tokens, with_blocks
+from engine_driver import free, greedy_tokens, with_blocks
 from greedy_check import assert_matches
 from tiny_models import NEW_FAMILIES, tiny_checkpoint
+from tp_harness import assert_logits_close, one_rank, spawn_ranks, tp_prompts, tp_runner
 
 from fuseserve.config import EngineConfig
-from fuseserve.worker.model_runner import ModelRunner
 
 ATOL = 1e-4
 TP2_FAMILIES = ["llama-gqa", "llama-tied", *NEW_FAMILIES]
-SIZES = {1: 7, 2: 64, 3: 1, 4: 1}
 
 
-def _runner(path) -> ModelRunner:
-    from transformers import AutoConfig
-
-    return ModelRunner(
-        path,
-        AutoConfig.from_pretrained(path),
-        eos_token_ids=[0],
-        progress=False,
-        config=EngineConfig(kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="float32"),
-    )
-
-
-def _prompts(vocab: int) -> dict[int, list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return {
-        sid: torch.randint(1, vocab, (n,), generator=g).tolist()
-        for sid, n in zip(SIZES, (40, 90, 12, 5), strict=True)
-    }
-
-
-def _rank_main(rank: int, size: int, init_file: str, jobs: list[tuple[str, str]]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
-    try:
-        for path, out in jobs:
-            runner = _runner(path)
-            assert runner.model.model.embed_tokens.num_embeddings == runner.vocab_size // size  # sharded
-            logits = chunked_logits(runner, _prompts(runner.vocab_size), SIZES)
-            if rank == 0:
-                torch.save(logits, out)
-    finally:
-        dist.destroy_process_group()
+def _embedding_rows(runner) -> tuple[int, int]:
+    """(embedding rows on this rank, vocabulary): a sharded embedding holds vocab / ranks rows."""
+    return runner.model.model.embed_tokens.num_embeddings, runner.vocab_size
 
 
 def _run_tp(size: int, names: list[str], tmp_path) -> dict[str, tuple[dict, dict]]:
-    """Per family: (logits with ``size`` ranks, logits with one)."""
-    jobs, single = [], {}
-    for name in names:
-        path = tmp_path / name
+    """Per family: (rank 0's result with ``size`` ranks, one process's)."""
+    paths = [tmp_path / name for name in names]
+    for name, path in zip(names, paths, strict=True):
         tiny_checkpoint(name, path)
-        jobs.append((str(path), str(tmp_path / f"{name}.tp{size}.pt")))
-        runner = _runner(path)
-        single[name] = chunked_logits(runner, _prompts(runner.vocab_size), SIZES)
-    mp.spawn(_rank_main, args=(size, str(tmp_path / "init"), jobs), nprocs=size, join=True)
-    return {name: (torch.load(out), single[name]) for name, (_, out) in zip(names, jobs, strict=True)}
+    single = [one_rank(path) for path in paths]
+    assert not any(isinstance(one, str) for one in single), single
+    tp = spawn_ranks(size, paths, tmp_path, inspect=_embedding_rows)
+    for name, got in zip(names, tp, strict=True):
+        assert not isinstance(got, str), (name, got)
+        rows, vocab = got["inspect"]
+        assert rows == vocab // size, f"{name}: embedding not sharded"
+    return dict(zip(names, zip(tp, single, strict=True), strict=True))
 
 
 def _assert_equal(results) -> None:
     for name, (tp, one) in results.items():
-        for sid in one:
-            torch.testing.assert_close(tp[sid], one[sid], atol=ATOL, rtol=0, msg=f"{name} sequence {sid}")
+        assert_logits_close(tp["logits"], one["logits"], ATOL, name)
 
 
 def test_tp2_equals_tp1(tmp_path):
@@ -99,7 +68,7 @@ def _smol_rank_main(rank: int, size: int, init_file: str, path: str, prompt: lis
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
-        tokens, _ = greedy_tokens(_runner(path), prompt, 16)
+        tokens, _ = greedy_tokens(tp_runner(path), prompt, 16)
         if rank == 0:
             torch.save(tokens, out)
     finally:
@@ -109,7 +78,7 @@ def _smol_rank_main(rank: int, size: int, init_file: str, path: str, prompt: lis
 @pytest.mark.slow
 def test_smollm2_tp3_greedy_equals_tp1(smollm2_source, tmp_path):
     prompt = smollm2_source.load_tokenizer()(SMOL_PROMPT)["input_ids"]
-    ref_tokens, ref_logits = greedy_tokens(_runner(smollm2_source.path), prompt, 16)
+    ref_tokens, ref_logits = greedy_tokens(tp_runner(smollm2_source.path), prompt, 16)
     out = str(tmp_path / "tp3.pt")
     mp.spawn(
         _smol_rank_main,
@@ -131,8 +100,8 @@ def test_worker_runner_broadcasts_plans_and_stops_ranks(tmp_path):
     from fuseserve.worker import parallel, tensor_parallel
 
     tiny_checkpoint("qwen3-qknorm", tmp_path)
-    prompt = _prompts(512)[1]
-    ref_tokens, ref_logits = greedy_tokens(_runner(tmp_path), prompt, 8, chunk=len(prompt))
+    prompt = tp_prompts(512)[1]
+    ref_tokens, ref_logits = greedy_tokens(tp_runner(tmp_path), prompt, 8, chunk=len(prompt))
     engine = EngineConfig(kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="float32")
     runner = tensor_parallel.start(tmp_path, AutoConfig.from_pretrained(tmp_path), [0], engine, 2, threads=1)
     try:
