@@ -12,12 +12,19 @@
 // once from the cache and widened to fp32, serves all of them. Per key block the item computes
 // scores S = Q K^T (vectorised over the block's keys), an online softmax (flash-attention's running
 // max and sum) and acc += P V (vectorised over head_dim). Items run in parallel (at::parallel_for).
+//
+// The caches hold the query's dtype, or float8 e4m3 (an fp8 KV cache, kernels/kv_quant.py): each
+// byte is widened to fp32 through a 256-entry table as its block is read; the per-tensor scales are
+// folded into the softmax scale (K) and the output (V) by the caller, so the stored values are used
+// as they are here.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,13 +56,33 @@ inline float exp_neg(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// e4m3fn byte -> fp32, all 256 values (NaN patterns included), built once.
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table;
+}
+
+// One cached K/V element as fp32: a plain conversion, or the table for fp8.
+template <typename KT>
+inline float widen(KT x, const float* fp8) {
+  if constexpr (std::is_same_v<KT, c10::Float8_e4m3fn>) {
+    return fp8[x.x];
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
 struct Item {
   int64_t seq;
   int64_t first;  // index of the tile's first query token in the pass
   int64_t count;  // tokens in the tile
 };
 
-template <typename T>
+template <typename T, typename KT>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
             double scale_d, int64_t window, double soft_cap_d) {
@@ -67,8 +94,9 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const KT* kp = k_cache.data_ptr<KT>();
+  const KT* vp = v_cache.data_ptr<KT>();
+  const float* fp8 = fp8_table().data();
   T* op = out.data_ptr<T>();
   const int64_t q_stride = q.stride(0), q_head_stride = q.stride(1);
   const int64_t o_stride = out.stride(0), o_head_stride = out.stride(1);
@@ -110,12 +138,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       for (int64_t b = lo / block_size; b * block_size <= hi; ++b) {
         const int64_t j0 = b * block_size;
         const int64_t n = std::min<int64_t>(block_size, hi + 1 - j0);
-        const T* kb = kp + table[b] * kv_block_stride + h * head_dim;
-        const T* vb = vp + table[b] * kv_block_stride + h * head_dim;
+        const KT* kb = kp + table[b] * kv_block_stride + h * head_dim;
+        const KT* vb = vp + table[b] * kv_block_stride + h * head_dim;
         for (int64_t j = 0; j < n; ++j) {  // K transposed [D, n] and V [n, D], widened to fp32
-          for (int64_t d = 0; d < head_dim; ++d) kt[d * block_size + j] = static_cast<float>(kb[j * kv_tok_stride + d]);
-          if constexpr (!std::is_same_v<T, float>) {
-            for (int64_t d = 0; d < head_dim; ++d) vf[j * head_dim + d] = static_cast<float>(vb[j * kv_tok_stride + d]);
+          for (int64_t d = 0; d < head_dim; ++d) kt[d * block_size + j] = widen(kb[j * kv_tok_stride + d], fp8);
+          if constexpr (!std::is_same_v<KT, float>) {
+            for (int64_t d = 0; d < head_dim; ++d) vf[j * head_dim + d] = widen(vb[j * kv_tok_stride + d], fp8);
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -156,7 +184,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
           for (int64_t j = 0; j < n; ++j) {
             const float pj = sr[j];
             const float* vj;  // fp32 V is read in place; other dtypes from the widened copy
-            if constexpr (std::is_same_v<T, float>) {
+            if constexpr (std::is_same_v<KT, float>) {
               vj = vb + j * kv_tok_stride;
             } else {
               vj = vf.data() + j * head_dim;
@@ -177,7 +205,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   });
 }
 
-// out [T, H, D] (written), q [T, H, D], caches [num_blocks, block_size, KVH, D] (contiguous),
+// out [T, H, D] (written), q [T, H, D], caches [num_blocks, block_size, KVH, D] (contiguous; q's dtype or fp8),
 // block_tables [S, max_blocks] int32, cu_seqlens_q [S+1] int32, seq_lens [S] int32.
 // sliding_window <= 0 and soft_cap <= 0 mean none.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -188,15 +216,23 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, KVH, D]");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head_dim / GQA mismatch");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, out and the caches must share one dtype");
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((fp8_cache || q.scalar_type() == k_cache.scalar_type()) && out.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and out must share one dtype, the caches that dtype or float8_e4m3fn");
   for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &seq_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be contiguous int32");
   }
   TORCH_CHECK(cu_seqlens_q.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
               "cu_seqlens_q [S+1], seq_lens [S], block_tables [S, max_blocks] disagree");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "fuseserve_cpu_paged_attention", [&] {
-    attend<scalar_t>(out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, soft_cap);
+    if (fp8_cache) {
+      attend<scalar_t, c10::Float8_e4m3fn>(out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                           sliding_window, soft_cap);
+    } else {
+      attend<scalar_t, scalar_t>(out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                 sliding_window, soft_cap);
+    }
   });
 }
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fuseserve.kernels import reference
+from fuseserve.kernels import kv_quant, reference
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +131,19 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``q [T, H, D]`` over the paged caches ``[num_blocks, block_size, KVH, D]`` → ``[T, H, D]``.
 
     ``cu_seqlens_q [S+1]``, ``seq_lens [S]`` (context length after this pass) and ``block_tables
     [S, max_blocks]`` are the ragged batch's int32 tensors; the pass's K/V must already be written.
     Same semantics as ``reference.paged_attention`` (window and soft-cap per call); fp32 accumulation.
+    Caches in ``q``'s dtype, or fp8 (``kv_quant``) read with ``k_scale`` / ``v_scale``.
     """
+    fp8 = kv_quant.is_fp8(k_cache)
+    if fp8:
+        scale = scale * k_scale
     out = torch.empty_like(q)
     load().paged_attention(
         out,
@@ -151,6 +157,8 @@ def paged_attention(
         int(sliding_window or 0),
         float(soft_cap or 0.0),
     )
+    if fp8 and v_scale != 1.0:
+        out.mul_(v_scale)
     return out
 
 
@@ -172,9 +180,22 @@ def plan(batch: Any) -> CpuAttentionMetadata:
     return CpuAttentionMetadata(batch.slot_mapping, tables, batch.cu_seqlens_q, batch.seq_lens)
 
 
-def write_and_attend(q, k, v, k_cache, v_cache, meta: CpuAttentionMetadata, scale, sliding_window, soft_cap):
-    """Write the pass's ``k/v [T, KVH, D]`` at their slots, then attend: ``[T, H * D]``."""
-    reference.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+def write_and_attend(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: CpuAttentionMetadata,
+    scale,
+    sliding_window,
+    soft_cap,
+    k_scale=1.0,
+    v_scale=1.0,
+):
+    """Write the pass's ``k/v [T, KVH, D]`` at their slots, then attend: ``[T, H * D]`` (an fp8 cache
+    written and read with ``k_scale`` / ``v_scale``)."""
+    reference.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
     out = paged_attention(
         q,
         k_cache,
@@ -185,5 +206,7 @@ def write_and_attend(q, k, v, k_cache, v_cache, meta: CpuAttentionMetadata, scal
         scale,
         sliding_window,
         soft_cap,
+        k_scale,
+        v_scale,
     )
     return out.flatten(1)

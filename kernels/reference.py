@@ -13,6 +13,10 @@ and the visibility masks of each window are built the first time a layer asks fo
 
 Decode tokens (query length 1) of all sequences run as one padded batched call; prefill chunks
 (which attend to earlier chunks through the cache) run one call each.
+
+An fp8 cache (``kv_quant``) is written quantized (``x / scale``, saturated) and its gathered blocks
+are widened to the query's dtype before attention, the K scale folded into the softmax scale and the
+V scale applied to the output.
 """
 
 from __future__ import annotations
@@ -22,12 +26,25 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fuseserve.kernels import kv_quant
+
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at flat slots ``slot_mapping [T]`` (in place)."""
+    """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at flat slots ``slot_mapping [T]`` (in place);
+    into an fp8 cache as ``kv_quant.quantize(k, k_scale)`` / ``(v, v_scale)``."""
     kvh, d = k.shape[1], k.shape[2]
+    if kv_quant.is_fp8(k_cache):  # index_copy_ has no fp8 kernel: copy the bytes
+        k = kv_quant.quantize(k, k_scale).view(torch.uint8)
+        v = kv_quant.quantize(v, v_scale).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
@@ -37,14 +54,20 @@ def context_blocks(block_table: torch.Tensor, context_len: int, block_size: int)
     return block_table[: -(-context_len // block_size)].long()
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Copy whole blocks (``blocks [...]``) out of ``cache`` → ``[..., n * block_size, kvh, d]``.
+def gather_blocks(
+    cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Copy whole blocks (``blocks [...]``) out of ``cache`` → ``[..., n * block_size, kvh, d]``; an
+    fp8 cache's blocks widened to ``dtype`` (unscaled stored values).
 
     Block-granular ``index_select`` moves ``block_size * kvh * d`` contiguous elements per index,
     which is much faster on CPU than gathering token slots one by one.
     """
     bs, kvh, d = cache.shape[1:]
-    out = cache.index_select(0, blocks.reshape(-1))
+    if kv_quant.is_fp8(cache):
+        out = cache.view(torch.uint8).index_select(0, blocks.reshape(-1)).view(kv_quant.FP8).to(dtype)
+    else:
+        out = cache.index_select(0, blocks.reshape(-1))
     return out.view(*blocks.shape[:-1], blocks.shape[-1] * bs, kvh, d)
 
 
@@ -170,25 +193,33 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``q [T, H, D]`` over each sequence's cached keys/values → ``[T, H, D]``.
 
     The current tokens' K/V must already be written (``write_kv``). ``sliding_window`` and
-    ``soft_cap`` are this layer's (None: full causal attention, no cap).
+    ``soft_cap`` are this layer's (None: full causal attention, no cap). ``k_scale`` / ``v_scale``:
+    an fp8 cache's scales (ignored for a float cache).
     """
     out = torch.empty_like(q)
+    fp8 = kv_quant.is_fp8(k_cache)
+    if fp8:
+        scale = scale * k_scale
     decode_mask, prefill_masks = plan.masks(sliding_window)
     if plan.decode_token_idx is not None:
         qd = q[plan.decode_token_idx].unsqueeze(2)  # [Sd, H, 1, D]
-        kd = gather_blocks(k_cache, plan.decode_blocks).transpose(1, 2)  # [Sd, KVH, L, D]
-        vd = gather_blocks(v_cache, plan.decode_blocks).transpose(1, 2)
+        kd = gather_blocks(k_cache, plan.decode_blocks, q.dtype).transpose(1, 2)  # [Sd, KVH, L, D]
+        vd = gather_blocks(v_cache, plan.decode_blocks, q.dtype).transpose(1, 2)
         od = sdpa(qd, kd, vd, decode_mask, scale, soft_cap)
         out[plan.decode_token_idx] = od.squeeze(2)
     for c, mask in zip(plan.prefills, prefill_masks, strict=True):
         # 4-D [1, heads, len, D]: the CPU flash kernel takes only batched input (3-D falls back to math)
         qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
-        kp = gather_blocks(k_cache, c.blocks)[: c.context_len].transpose(0, 1).unsqueeze(0)
-        vp = gather_blocks(v_cache, c.blocks)[: c.context_len].transpose(0, 1).unsqueeze(0)
+        kp = gather_blocks(k_cache, c.blocks, q.dtype)[: c.context_len].transpose(0, 1).unsqueeze(0)
+        vp = gather_blocks(v_cache, c.blocks, q.dtype)[: c.context_len].transpose(0, 1).unsqueeze(0)
         op = sdpa(qp, kp, vp, mask, scale, soft_cap)
         out[c.start : c.end] = op[0].transpose(0, 1)
+    if fp8 and v_scale != 1.0:
+        out.mul_(v_scale)
     return out

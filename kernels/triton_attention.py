@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fuseserve.kernels import kv_quant
 from fuseserve.kernels.triton_attention_kernel import _merge_splits_kernel, _paged_attention_kernel
 from fuseserve.kernels.triton_kv_write import check_cache, last_contiguous, write_kv
 from fuseserve.kernels.triton_runtime import INTERPRETED, triton
@@ -143,9 +144,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``q [T, H, D]`` over each sequence's cached keys/values → ``[T, H, D]``, one launch
-    (two with split-KV).
+    (two with split-KV). Caches in ``q``'s dtype, or fp8 (``kv_quant``) read with ``k_scale`` /
+    ``v_scale`` (the K scale folded into ``scale``, the V scale applied to the output).
 
     The pass's own K/V must already be in the cache (``write_kv``). ``sliding_window`` W: a query at
     position p sees keys at positions ``> p - W``; ``soft_cap`` c: scores become ``c * tanh(s / c)``.
@@ -162,6 +166,10 @@ def paged_attention(
     if num_tokens == 0:
         return out
     q = last_contiguous(q)
+    fp8 = kv_quant.is_fp8(k_cache)
+    if fp8:  # raw e4m3 bytes, decoded in the kernel (triton_fp8); K scale folded into the softmax scale
+        scale = scale * k_scale
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     tiles = choose_tiling(q, k_cache, plan)
     num_programs = plan.query_blocks(tiles.block_q)[0].shape[0] * kvh
     splits = plan.num_splits or choose_num_splits(num_programs, plan.max_context_len, tiles.block_n, q.device)
@@ -171,6 +179,8 @@ def paged_attention(
     )
     if splits > 1:
         _launch_merge(out, part_acc, part_ml, splits, head_dim, tiles.d_pad)
+    if fp8 and v_scale != 1.0:
+        out.mul_(v_scale)
     return out
 
 
@@ -228,6 +238,7 @@ def _launch_attention(out, part_acc, part_ml, q, k_cache, v_cache, plan, tiles, 
         SPLIT=splits > 1,
         UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
         IEEE=q.dtype == torch.float32,
+        KV_FP8=k_cache.dtype == torch.uint8,
     )
 
 

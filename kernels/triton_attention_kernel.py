@@ -19,6 +19,7 @@ range, a K/V tile, its scores, one online-softmax step, the store); Triton inlin
 
 from __future__ import annotations
 
+from fuseserve.kernels.triton_fp8 import fp8_decode
 from fuseserve.kernels.triton_runtime import tl, triton
 
 # globals read inside kernels must be constexpr (compiled Triton rejects plain Python globals)
@@ -95,21 +96,34 @@ def _key_tiles(
 
 
 @triton.jit
-def _load_key_tile(k_cache_ptr, slot, k_ok, d, d_ok, UPCAST: tl.constexpr):
+def _load_key_tile(k_cache_ptr, slot, k_ok, d, d_ok, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
     # [D_PAD, BLOCK_N], transposed for Q @ K^T; slot: [BLOCK_N] offset of each key's row in the cache
     k_t = tl.load(k_cache_ptr + slot[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-    if UPCAST:
+    if KV_FP8:  # raw e4m3 bytes → float32
+        k_t = fp8_decode(k_t)
+    elif UPCAST:
         k_t = k_t.to(tl.float32)
     return k_t
 
 
 @triton.jit
-def _load_value_tile(v_cache_ptr, slot, k_ok, d, d_ok, UPCAST: tl.constexpr):
+def _load_value_tile(v_cache_ptr, slot, k_ok, d, d_ok, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
     # [BLOCK_N, D_PAD]; slot: [BLOCK_N] offset of each value's row in the cache
     v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
+    if KV_FP8:  # raw e4m3 bytes → float32
+        v = fp8_decode(v)
+    elif UPCAST:
         v = v.to(tl.float32)
     return v
+
+
+@triton.jit
+def _widen_fp8(k_t, v, q, KV_FP8: tl.constexpr):
+    # decoded fp8 tiles in q's dtype (stored values: the host folds the scales into scale and output)
+    if KV_FP8:
+        k_t = k_t.to(q.dtype)
+        v = v.to(q.dtype)
+    return k_t, v
 
 
 @triton.jit
@@ -185,6 +199,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,  # uint8 views of fp8 caches: tiles decoded (scales applied by the host)
 ):  # fmt: skip
     # one program: the BLOCK_M rows (BLOCK_Q tokens x G heads) of query block qb for KV head kv_head,
     # over the key tiles of split-KV part split (all of them without split-KV)
@@ -218,9 +233,10 @@ def _paged_attention_kernel(
         blk = tl.load(table + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
         in_page = k_pos % PAGE
         k_slot = blk * stride_kb + in_page * stride_ks + kv_head * stride_kh  # [BLOCK_N] cache row offsets
-        k_t = _load_key_tile(k_cache_ptr, k_slot, k_ok, d, d_ok, UPCAST)
+        k_t = _load_key_tile(k_cache_ptr, k_slot, k_ok, d, d_ok, UPCAST, KV_FP8)
         v_slot = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
-        v = _load_value_tile(v_cache_ptr, v_slot, k_ok, d, d_ok, UPCAST)
+        v = _load_value_tile(v_cache_ptr, v_slot, k_ok, d, d_ok, UPCAST, KV_FP8)
+        k_t, v = _widen_fp8(k_t, v, q, KV_FP8)
         s = _scores(q, k_t, k_pos, k_ok, q_pos, scale, soft_cap, window, HAS_SOFT_CAP, HAS_WINDOW, IEEE)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 

@@ -19,7 +19,7 @@ import torch
 
 from fuseserve.config import ATTENTION_BACKENDS
 from fuseserve.errors import AttentionBackendUnavailableError, InvalidParameterError
-from fuseserve.kernels import cpu_attention, reference
+from fuseserve.kernels import cpu_attention, kv_quant, reference
 from fuseserve.worker.kv_cache import KVCache
 from fuseserve.worker.ragged_batch import RaggedBatch
 
@@ -36,6 +36,8 @@ class AttentionBackend(ABC):
     ``sliding_window`` W, only to the last W positions (itself included). With ``soft_cap`` c the
     scores ``s = scale * q.k`` become ``c * tanh(s / c)`` before softmax (Gemma 2). Window and cap are
     per layer (one model may alternate windowed and global layers), so they come with each call.
+    The caches hold the model's dtype or fp8 (``fuseserve.kernels.kv_quant``): an fp8 cache is written
+    as ``k / k_scale``, ``v / v_scale`` and read back through the same scales (this layer's).
     """
 
     name: str = "abstract"
@@ -55,6 +57,8 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
 
@@ -69,9 +73,13 @@ class TorchAttentionBackend(AttentionBackend):
             batch.query_lens, batch.context_lens, batch.block_tables, batch.slot_mapping, block_size
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
-        reference.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = reference.paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
+    def forward(
+        self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None, **kv_scales
+    ):
+        reference.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping, **kv_scales)
+        out = reference.paged_attention(
+            q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap, **kv_scales
+        )
         return out.flatten(1)
 
 
@@ -88,9 +96,11 @@ class CpuAttentionBackend(AttentionBackend):
     def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
         return cpu_attention.plan(batch)
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
+    def forward(
+        self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None, **kv_scales
+    ):
         return cpu_attention.write_and_attend(
-            q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap
+            q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap, **kv_scales
         )
 
 
@@ -161,6 +171,8 @@ def _attend(layer_idx, q, k, v, scale, sliding_window, soft_cap) -> torch.Tensor
         scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=ctx.kv_cache.k_scale[layer_idx],
+        v_scale=ctx.kv_cache.v_scale[layer_idx],
     )
     return torch.nn.functional.pad(out, (0, 0, 0, padded)) if padded else out
 
@@ -214,9 +226,13 @@ class TritonAttentionBackend(AttentionBackend):
             self.num_splits,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
-        self._kernels.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = self._kernels.paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
+    def forward(
+        self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None, **kv_scales
+    ):
+        self._kernels.write_kv(k_cache, v_cache, k, v, metadata.slot_mapping, **kv_scales)
+        out = self._kernels.paged_attention(
+            q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap, **kv_scales
+        )
         return out.flatten(1)
 
 
@@ -237,7 +253,11 @@ class FlashAttnBackend(AttentionBackend):
             batch.query_lens, batch.context_lens, batch.cu_seqlens_q, batch.block_tables, batch.slot_mapping
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None):
+    def forward(
+        self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None, **kv_scales
+    ):
+        if k_cache.dtype == kv_quant.FP8:  # get_backend never picks flash-attn for an fp8 cache
+            raise AttentionBackendUnavailableError("flash-attn reads no fp8 KV cache")
         self._write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = self._flash.paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
         return out.flatten(1)
@@ -270,9 +290,11 @@ def get_backend(
     *,
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """Attention backend by name: ``torch`` (reference), ``cpu`` (C++ operator), ``triton``,
-    ``flash-attn`` or ``auto``.
+    ``flash-attn`` or ``auto``. ``kv_cache_dtype``: the cache's storage dtype when it differs from
+    ``dtype`` (fp8: every backend but flash-attn reads it).
 
     ``auto`` takes flash-attn when it imports, the GPU is SM80+ and ``block_size``/``dtype`` suit it;
     else Triton on CUDA; on CPU the ``cpu`` operator when it builds, else the torch reference (warned
@@ -284,17 +306,23 @@ def get_backend(
     """
     if name not in ATTENTION_BACKENDS:
         raise InvalidParameterError("attention_backend", name, ", ".join(ATTENTION_BACKENDS))
+    flash_reason = _flash_reason(device, block_size, dtype, kv_cache_dtype)
     if name == "auto":
-        return _auto_backend(device, block_size, dtype)
-    return _forced_backend(name, device, block_size, dtype)
+        return _auto_backend(device, flash_reason)
+    return _forced_backend(name, device, flash_reason)
 
 
-def _forced_backend(
-    name: str, device: torch.device | None, block_size: int | None, dtype: torch.dtype | None
-) -> AttentionBackend:
-    """The backend ``name`` (not ``auto``); ``AttentionBackendUnavailableError`` when it cannot run here."""
+def _flash_reason(device, block_size, dtype, kv_cache_dtype) -> str | None:
+    """None when flash-attn can serve this worker, else why not."""
     from fuseserve.kernels import flash_attn
 
+    if kv_cache_dtype == kv_quant.FP8:
+        return "flash-attn reads no fp8 KV cache (--kv-cache-dtype fp8: triton on GPUs)"
+    return flash_attn.unsupported_reason(device, block_size, dtype)
+
+
+def _forced_backend(name: str, device: torch.device | None, flash_reason: str | None) -> AttentionBackend:
+    """The backend ``name`` (not ``auto``); ``AttentionBackendUnavailableError`` when it cannot run here."""
     if name == "torch":
         _log_choice("torch", "forced")
         return TorchAttentionBackend()
@@ -306,9 +334,8 @@ def _forced_backend(
         _log_choice("cpu", "forced")
         return backend
     if name == "flash-attn":
-        reason = flash_attn.unsupported_reason(device, block_size, dtype)
-        if reason:
-            raise AttentionBackendUnavailableError(f"attention backend flash-attn: {reason}")
+        if flash_reason:
+            raise AttentionBackendUnavailableError(f"attention backend flash-attn: {flash_reason}")
         _log_choice("flash-attn", "forced")
         return FlashAttnBackend()
     try:  # triton
@@ -319,14 +346,9 @@ def _forced_backend(
     return backend
 
 
-def _auto_backend(
-    device: torch.device | None, block_size: int | None, dtype: torch.dtype | None
-) -> AttentionBackend:
+def _auto_backend(device: torch.device | None, flash_reason: str | None) -> AttentionBackend:
     """``auto``: flash-attn, else Triton on CUDA, else (off CPU) the torch reference; on CPU the ``cpu``
     operator, else the torch reference (warned once)."""
-    from fuseserve.kernels import flash_attn
-
-    flash_reason = flash_attn.unsupported_reason(device, block_size, dtype)
     if flash_reason is None:
         _log_choice("flash-attn", "auto")
         return FlashAttnBackend()

@@ -15,6 +15,7 @@ import torch
 
 from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import KVCacheTooSmallError
+from fuseserve.kernels.kv_quant import kv_cache_dtype
 from fuseserve.structured import model_grammar_backend
 from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker import compiled_forward, parallel, prepacked_linear
@@ -65,8 +66,13 @@ class ModelRunner:
         if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
             prepacked_linear.prepack(self.model)  # CPU float32 only; FUSESERVE_PREPACK=0: F.linear
         self.block_size = self.config.block_size
+        self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)  # the cache's storage
         self.backend = backend or get_backend(
-            self.config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
+            self.config.attention_backend,
+            self.device,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_dtype,
         )
         self.kv_cache = self._allocate_kv_cache()
         self.compiled: CompiledForward | None = None
@@ -119,20 +125,24 @@ class ModelRunner:
         layers, head_dim = args.num_layers, args.head_dim
         kv_heads = parallel.kv_heads_per_rank(args.num_kv_heads)  # this rank's (all without TP)
         memory = self._kv_memory_bytes()
-        num_blocks = KVCache.num_blocks_for(memory, layers, self.block_size, kv_heads, head_dim, self.dtype)
+        num_blocks = KVCache.num_blocks_for(
+            memory, layers, self.block_size, kv_heads, head_dim, self.kv_dtype
+        )
         if num_blocks < 1:
-            need = bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
+            need = bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.kv_dtype)
             raise KVCacheTooSmallError(
                 f"kv_cache_memory={memory} bytes holds no block (one block needs {need})"
             )
-        kv_cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device)
+        kv_cache = KVCache(
+            layers, num_blocks, self.block_size, kv_heads, head_dim, self.kv_dtype, self.device
+        )
         log.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB) on %s %s",
             num_blocks,
             self.block_size,
             memory / 2**20,
             self.device,
-            str(self.dtype).split(".")[-1],
+            str(self.kv_dtype).split(".")[-1],
         )
         return kv_cache
 
