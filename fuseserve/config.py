@@ -286,7 +286,8 @@ class EngineConfig:
         "gguf: serve a .gguf file from its quantized weights (repacked once, cached) instead of "
         "dequantizing them to float32; quantized Hugging Face checkpoints (GPTQ, AWQ, "
         "compressed-tensors) load quantized without it (default: none)",
-        commands=("generate", "serve", "worker"),
+        commands=("generate", "serve", "gateway", "worker"),
+        help_for={"gateway": "gguf: resolve a .gguf model as the workers do (no float32 conversion)"},
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = option(

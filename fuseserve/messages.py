@@ -210,6 +210,8 @@ class WorkerRecord:
     token_budget: int
     metrics_port: int | None = None
     draining: bool = False  # told to stop (SIGTERM): no new sequences, finishing its running ones
+    quantization: str | None = None  # the checkpoint's quant_method (gptq, awq, gguf, ...); None: float
+    kv_cache_dtype: str | None = None  # KV cache storage: bfloat16, float32, float8_e4m3fn, ...
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -67,6 +67,11 @@ class ModelSource:
                 f"(and tokenizer_config.json) there ({type(exc).__name__}: {exc})"
             ) from exc
 
+    @property
+    def quantization(self) -> str | None:
+        """The checkpoint's quantization (``quantization_method``), None when it is not quantized."""
+        return quantization_method(self.config)
+
     def eos_token_ids(self) -> list[int]:
         """End-of-sequence token ids, deduplicated, in order of first appearance.
 
@@ -89,6 +94,21 @@ class ModelSource:
         if isinstance(ids, int):
             ids = [ids]
         return list(dict.fromkeys(int(i) for i in ids))
+
+
+def quantization_method(config) -> str | None:
+    """``quantization_config.quant_method`` of a Hugging Face ``config`` (``gptq``, ``awq``,
+    ``compressed-tensors``, ``gguf`` for a GGUF file kept quantized), lower case; None without one,
+    and for a GGUF file's float32 conversion (its config keeps ``transformers``' GGUF entry, which
+    names no quantized module)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    method = qc.get("quant_method")
+    method = str(getattr(method, "value", method)).lower() if method else None
+    return None if method == "gguf" and not qc.get("modules") else method
 
 
 def default_cache_dir() -> pathlib.Path:

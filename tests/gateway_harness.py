@@ -101,7 +101,10 @@ class FakeScheduler:
         self._dead.clear()
 
     def add_worker(self) -> None:
-        rec = WorkerRecord("fake", "127.0.0.1:1", "smollm2-135m-instruct", 16, 1000, 8192, 49152, [EOS], 256)
+        rec = WorkerRecord(
+            "fake", "127.0.0.1:1", "smollm2-135m-instruct", 16, 1000, 8192, 49152, [EOS], 256,
+            kv_cache_dtype="float8_e4m3fn",
+        )  # fmt: skip
         self.r.set(worker_key("fake"), rec.encode())
 
     def remove_worker(self) -> None:

@@ -21,6 +21,7 @@ from fuseserve.messages import (
     SCHEDULER_HEARTBEAT,
     SCHEDULER_STATS_PATTERN,
     WORKER_PREFIX,
+    WorkerRecord,
     merge_scheduler_stats,
 )
 
@@ -88,6 +89,15 @@ class Admission:
         stats = merge_scheduler_stats(raws[0] if raws else [], time.time())
         waiting = stats["waiting"] if stats else None
         return Snapshot(bool(alive), num_workers, waiting, now)
+
+    async def worker_records(self) -> list[WorkerRecord]:
+        """The live workers' records (``fuseserve:worker:*``; one that expires meanwhile is skipped).
+
+        Raises ``redis.exceptions.RedisError`` when Redis fails.
+        """
+        keys = [k async for k in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=1000)]
+        raws = await self.redis.mget(keys) if keys else []
+        return [WorkerRecord.decode(raw) for raw in raws if raw]
 
     async def check(self) -> Snapshot:
         """Raise ``SchedulerUnavailableError`` (503) without a scheduler heartbeat,

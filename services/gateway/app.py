@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
 from starlette.requests import ClientDisconnect
 
 from fuseserve.errors import FuseServeError, InvalidRequestError
@@ -59,6 +60,7 @@ from fuseserve.gateway.protocol import (
 from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.settings import GatewaySettings, settings_from_args
 from fuseserve.gateway.streams import ResponseRouter
+from fuseserve.messages import WorkerRecord
 from fuseserve.model_source import resolve_model
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,9 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
-        self.source = settings.source or resolve_model(settings.model, cache_dir=settings.cache_dir)
+        self.source = settings.source or resolve_model(
+            settings.model, cache_dir=settings.cache_dir, quantization=settings.quantization
+        )
         names = settings.served_model_name or self.source.name
         self.model_names = [names] if isinstance(names, str) else list(names)
         self.model_name = self.model_names[0]
@@ -169,6 +173,17 @@ class Gateway:
         ignored = field_policy(req)
         self.check_model(req.model)
         return req, ignored
+
+    async def live_workers(self) -> list[WorkerRecord]:
+        """The live workers' records (``/v1/models`` reports their KV cache dtype); none while Redis
+        is unreachable or before startup (the model card still answers)."""
+        if self.admission is None:
+            return []
+        try:
+            return await self.admission.worker_records()
+        except RedisError as e:
+            log.warning("cannot read the worker records: %s", e)
+            return []
 
     def check_model(self, name: str | None) -> None:
         """Raise ``ModelNotFoundError`` (404) unless ``name`` is None or one of the served names."""
@@ -328,12 +343,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [utilities.model_card(gw, name) for name in gw.model_names]}
+        workers = await gw.live_workers()
+        return {
+            "object": "list",
+            "data": [utilities.model_card(gw, name, workers) for name in gw.model_names],
+        }
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         gw.check_model(model_id)
-        return utilities.model_card(gw, model_id)
+        return utilities.model_card(gw, model_id, await gw.live_workers())
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -29,7 +29,9 @@ class GatewaySettings:
     redis_max_connections: pooled Redis connections shared by requests. redis_pool_timeout_s:
     seconds a request waits for a free one before its 503. scheduler_grace_s: seconds without a
     scheduler heartbeat before requests in flight fail (503). scheduler_check_s: seconds between
-    heartbeat checks. source: an already resolved model (skips resolution; tests).
+    heartbeat checks. source: an already resolved model (skips resolution; tests). quantization:
+    ``--quantization`` (``gguf``: a .gguf model resolves to the quantized conversion the workers load,
+    not to a float32 one).
     """
 
     redis_url: str
@@ -50,6 +52,7 @@ class GatewaySettings:
     scheduler_grace_s: float = SCHEDULER_GRACE_S
     scheduler_check_s: float = 0.5
     source: ModelSource | None = None
+    quantization: str | None = None
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -66,4 +69,5 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         limits=from_cli_args(RequestLimits, args),
         api_keys=ApiKeys.load([args.api_key] if args.api_key else [], key_file=args.api_key_file),
         protect_metrics=args.protect_metrics,
+        quantization=args.quantization,
     )

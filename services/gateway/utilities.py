@@ -8,11 +8,20 @@ from __future__ import annotations
 
 from fuseserve.errors import InvalidRequestError
 from fuseserve.gateway.protocol import DetokenizeRequest, TokenizeRequest
+from fuseserve.messages import WorkerRecord
 from fuseserve.sampling_params import check_text
 
 
-def model_card(gw, name: str) -> dict:
-    """The ``/v1/models`` entry of served name ``name``."""
+def model_card(gw, name: str, workers: list[WorkerRecord]) -> dict:
+    """The ``/v1/models`` entry of served name ``name``.
+
+    Beyond OpenAI's fields: ``max_model_len`` (tokens), ``quantization`` (the checkpoint's
+    ``quant_method`` as the workers load it, e.g. ``gptq`` or ``gguf``; None for float weights) and
+    ``kv_cache_dtype`` (the live ``workers``' KV cache storage, e.g. ``bfloat16`` or
+    ``float8_e4m3fn``: one value, a sorted list when workers differ, None without a worker).
+    """
+    kv = sorted({w.kv_cache_dtype for w in workers if w.kv_cache_dtype})
+    quant = sorted({w.quantization for w in workers if w.quantization})
     return {
         "id": name,
         "object": "model",
@@ -20,7 +29,13 @@ def model_card(gw, name: str) -> dict:
         "owned_by": "fuseserve",
         "root": gw.model_name,
         "max_model_len": gw.max_model_len,
+        "quantization": _one_or_list(quant) if quant else gw.source.quantization,
+        "kv_cache_dtype": _one_or_list(kv) if kv else None,
     }
+
+
+def _one_or_list(values: list[str]) -> str | list[str]:
+    return values[0] if len(values) == 1 else values
 
 
 def _need_tokenizer(gw) -> None:

@@ -16,6 +16,7 @@ import torch
 from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import KVCacheTooSmallError
 from fuseserve.kernels.kv_quant import kv_cache_dtype
+from fuseserve.model_source import quantization_method
 from fuseserve.structured import model_grammar_backend
 from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
 from fuseserve.worker import compiled_forward, parallel, prepacked_linear
@@ -102,6 +103,8 @@ class ModelRunner:
             list(eos_token_ids),
             str(self.device),
             str(self.dtype).split(".")[-1],
+            quantization_method(hf_config),
+            str(self.kv_dtype).split(".")[-1],
         )
 
     def _compile(self, progress: bool) -> None:

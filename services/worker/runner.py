@@ -16,7 +16,9 @@ from fuseserve.worker.seq_table import WorkerSeq
 
 @dataclass
 class WorkerInfo:
-    """Capacity a worker reports to its scheduler."""
+    """Capacity a worker reports to its scheduler. quantization: the checkpoint's
+    (``model_source.quantization_method``; None: float weights). kv_cache_dtype: the KV cache's
+    storage dtype (``bfloat16``, ``float8_e4m3fn``, ...; None when there is none, as simulated)."""
 
     block_size: int
     num_blocks: int
@@ -25,6 +27,8 @@ class WorkerInfo:
     eos_token_ids: list[int]
     device: str
     dtype: str
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
 
 
 class Runner(Protocol):

@@ -313,15 +313,18 @@ def run_worker(args: argparse.Namespace) -> int:
         info.eos_token_ids,
         budget,
         metrics.port if metrics is not None else None,
+        quantization=info.quantization,
+        kv_cache_dtype=info.kv_cache_dtype,
     )
     registration = Registration(args.redis_url, worker_id, record)
     registration.start()
     log.info(
-        "worker %s serving %s at %s (%d KV blocks, token budget %d%s)",
+        "worker %s serving %s at %s (%d KV blocks of %s, token budget %d%s)",
         worker_id,
         model_name,
         address,
         info.num_blocks,
+        info.kv_cache_dtype,
         budget,
         f", simulated {args.simulate} x{runner.slowdown:g}" if args.simulate else "",
     )

@@ -19,7 +19,10 @@ from fuseserve.messages import CONTROL, ControlMessage
 
 # --------------------------------------------------------------------------- plain endpoints
 def test_models_health_metrics(http, fake):
-    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["id"] == MODEL
+    # the fp32 conversion is not quantized; the KV cache dtype is the (fake) worker record's
+    assert card["quantization"] is None and card["kv_cache_dtype"] == "float8_e4m3fn"
     assert http.get("/health").json() == {"status": "ok", "workers": 1}
     text = http.get("/metrics").text
     for name in (
