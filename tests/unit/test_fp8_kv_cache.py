@@ -23,6 +23,7 @@ try:
 except ImportError:
     triton = None
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as test_triton_kernels
 K_SCALE, V_SCALE = 0.5, 2.0
 MIXED = [(0, 21), (29, 9), (47, 1), (15, 1), (70, 1)]  # (cached, new) tokens per sequence
 
@@ -104,6 +105,7 @@ def test_reference_reads_fp8_as_its_dequantized_values(make_pass, window, cap):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_operator_reads_fp8(make_pass, dtype):
     fp8, _ = _fp8_pass(make_pass, MIXED, 16, 2, 3, 64, dtype)
+    fp8 = {k: v.cpu() if torch.is_tensor(v) else v for k, v in fp8.items()}  # a CPU operator
     want, kr, vr = _reference(fp8, 20, None)
     plan = cpu_attention.CpuAttentionMetadata(
         fp8["slot_mapping"], fp8["block_tables"], fp8["cu_seqlens_q"], fp8["seq_lens"]
@@ -154,10 +156,10 @@ def test_triton_fp8_codec_equals_torch():
     n = x.numel()
     b = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
     b[b.view(kv_quant.FP8).float().isnan()] = 0
-    y, enc = torch.empty(n), torch.empty(n, dtype=torch.uint8)
-    _codec[(1,)](x, b, y, enc, n, BLOCK=triton.next_power_of_2(n))
-    assert torch.equal(y, b.view(kv_quant.FP8).float())
-    assert torch.equal(enc, kv_quant.quantize(x, 1.0).view(torch.uint8))
+    y, enc = torch.empty(n, device=DEVICE), torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    _codec[(1,)](x.to(DEVICE), b.to(DEVICE), y, enc, n, BLOCK=triton.next_power_of_2(n))
+    assert torch.equal(y.cpu(), b.view(kv_quant.FP8).float())
+    assert torch.equal(enc.cpu(), kv_quant.quantize(x, 1.0).view(torch.uint8))
 
 
 if triton is not None:
