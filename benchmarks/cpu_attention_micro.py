@@ -1,7 +1,7 @@
 """Attention alone: the reference vs the C++ CPU operator, 30 layer calls on the same inputs.
 
 SmolLM2 shapes (9 heads, 3 KV heads, head_dim 64, block 16); cases: 16 decodes at context 260, a fresh
-256-token prefill chunk, a 128-token chunk after 128 cached, 16 decodes + a 112-token chunk. Median of
+256-token prefill chunk, 64 decodes at context 200 (the offline benchmark's decode pass), a 128-token chunk after 128 cached, 16 decodes + a 112-token chunk. Median of
 7 repeats per backend, both in one process. ``python -m benchmarks.cpu_attention_micro``
 """
 
@@ -18,6 +18,7 @@ from fuseserve.worker.ragged_batch import RaggedBatch
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = {
     "16 decodes, context 260": [(259, 1)] * 16,
+    "64 decodes, context 200": [(199, 1)] * 64,
     "prefill 256, fresh": [(0, 256)],
     "prefill 128 after 128": [(128, 128)],
     "16 decodes + 112-token chunk": [(259, 1)] * 16 + [(100, 112)],

@@ -10,8 +10,11 @@
 // Work split: one item = (sequence, KV head, tile of up to TILE_Q consecutive query tokens). The
 // item's rows are its tokens x the query heads sharing that KV head (GQA), so each key block, read
 // once from the cache and widened to fp32, serves all of them. Per key block the item computes
-// scores S = Q K^T (vectorised over the block's keys), an online softmax (flash-attention's running
-// max and sum) and acc += P V (vectorised over head_dim). Items run in parallel (at::parallel_for).
+// scores S = Q K^T, an online softmax (flash-attention's running max and sum) and acc += P V, in
+// chunks of 16 keys held as one 16-lane vector per query row (GCC vector extensions: one AVX-512
+// register or two AVX2 ones), head_dim zero-padded to a multiple of 16. Scores: one dot product per
+// (row, key) for a decode's few rows; K transposed once per chunk and 4 rows x 16 keys accumulated in
+// registers for a prefill tile. Items run in parallel (at::parallel_for).
 //
 // The caches hold the query's dtype, or float8 e4m3 (an fp8 KV cache, kernels/kv_quant.py): each
 // byte is widened to fp32 through a 256-entry table as its block is read; the per-tensor scales are
@@ -76,11 +79,144 @@ inline float widen(KT x, const float* fp8) {
   }
 }
 
+// 16 fp32 lanes: one AVX-512 register, two AVX2 ones (GCC / Clang vector extensions, no intrinsics).
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+constexpr int64_t KC = 16;           // keys per chunk: one v16 of scores per query row
+constexpr int64_t TRANSPOSE_ROWS = 8;  // from this many rows on, scores use K transposed (see below)
+
+inline v16 splat(float x) { return v16{} + x; }
+
+inline float hsum(v16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+inline float hmax(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp_neg on 16 lanes (same polynomial; k rounded to nearest by the 1.5 * 2^23 trick, so ties may
+// round the other way than floor(x + 0.5): r stays within [-ln2/2, ln2/2] either way).
+inline v16 exp_neg_v(v16 x) {
+  const v16 lim = splat(-87.0f);
+  const v16 xc = x < lim ? lim : x;
+  const v16 magic = splat(12582912.0f);
+  const v16 k = (xc * 1.4426950408889634f + magic) - magic;
+  const v16 r = xc - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  v16 p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16i bits = (__builtin_convertvector(k, v16i) + 127) << 23;
+  const v16 scale = (v16)bits;
+  return x < lim ? splat(0.0f) : p * scale;
+}
+
 struct Item {
   int64_t seq;
   int64_t first;  // index of the tile's first query token in the pass
   int64_t count;  // tokens in the tile
 };
+
+// Scores of every row against one chunk of keys: s[r] = Q[r] . K[j] for j < KC (lanes past the chunk
+// hold 0). q: rows x nv vectors (head_dim zero-padded to nv * 16), kw: KC x nv, kt: nv * 16 x KC.
+// Few rows (decode: one token x the GQA group) take one dot product per (row, key); many rows
+// (a prefill tile) transpose K once and accumulate 4 rows x 16 keys per step in registers.
+inline void chunk_scores(const v16* q, int64_t rows, int64_t nv, const v16* kw, v16* kt, v16* s) {
+  if (rows < TRANSPOSE_ROWS) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const v16* qr = q + r * nv;
+      v16 sr = splat(0.0f);
+      for (int64_t j = 0; j < KC; ++j) {
+        const v16* kj = kw + j * nv;
+        v16 t = qr[0] * kj[0];
+        for (int64_t v = 1; v < nv; ++v) t += qr[v] * kj[v];
+        sr[j] = hsum(t);
+      }
+      s[r] = sr;
+    }
+    return;
+  }
+  const float* kf = reinterpret_cast<const float*>(kw);
+  float* ktf = reinterpret_cast<float*>(kt);
+  const int64_t dp = nv * 16;
+  for (int64_t j = 0; j < KC; ++j) {
+    for (int64_t d = 0; d < dp; ++d) ktf[d * KC + j] = kf[j * dp + d];
+  }
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float* q0 = reinterpret_cast<const float*>(q + r * nv);
+    const float *q1 = q0 + dp, *q2 = q1 + dp, *q3 = q2 + dp;
+    v16 s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t d = 0; d < dp; ++d) {
+      const v16 kd = kt[d];
+      s0 += kd * q0[d];
+      s1 += kd * q1[d];
+      s2 += kd * q2[d];
+      s3 += kd * q3[d];
+    }
+    s[r] = s0;
+    s[r + 1] = s1;
+    s[r + 2] = s2;
+    s[r + 3] = s3;
+  }
+  for (; r < rows; ++r) {
+    const float* qr = reinterpret_cast<const float*>(q + r * nv);
+    v16 sr = splat(0.0f);
+    for (int64_t d = 0; d < dp; ++d) sr += kt[d] * qr[d];
+    s[r] = sr;
+  }
+}
+
+// acc = acc * alpha + sum_j p[j] * V[j] over the chunk's n keys (V: KC x nv vectors). head_dim 64
+// and 128 keep the row's accumulator in registers; other sizes go through memory.
+template <int64_t NV>
+inline void accumulate_pv_fixed(v16* acc, float alpha, v16 p, const v16* vw, int64_t n) {
+  v16 a[NV];
+  for (int64_t v = 0; v < NV; ++v) a[v] = acc[v] * alpha;
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const v16* vj = vw + j * NV;
+    for (int64_t v = 0; v < NV; ++v) a[v] += vj[v] * pj;
+  }
+  for (int64_t v = 0; v < NV; ++v) acc[v] = a[v];
+}
+
+inline void accumulate_pv(v16* acc, int64_t nv, float alpha, v16 p, const v16* vw, int64_t n) {
+  if (nv == 4) return accumulate_pv_fixed<4>(acc, alpha, p, vw, n);
+  if (nv == 8) return accumulate_pv_fixed<8>(acc, alpha, p, vw, n);
+  for (int64_t v = 0; v < nv; ++v) acc[v] *= alpha;
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const v16* vj = vw + j * nv;
+    for (int64_t v = 0; v < nv; ++v) acc[v] += vj[v] * pj;
+  }
+}
+
+// One chunk of up to KC keys (cache rows src[j * stride], head_dim d) widened to fp32 into dst
+// (KC x nv vectors); rows past n and lanes past d are zero.
+template <typename KT>
+inline void widen_chunk(const KT* src, int64_t stride, int64_t n, int64_t d, int64_t nv, const float* fp8, v16* dst) {
+  float* out = reinterpret_cast<float*>(dst);
+  const int64_t dp = nv * 16;
+  for (int64_t j = 0; j < KC; ++j) {
+    float* row = out + j * dp;
+    if (j < n) {
+      const KT* in = src + j * stride;
+      for (int64_t e = 0; e < d; ++e) row[e] = widen(in[e], fp8);
+      for (int64_t e = d; e < dp; ++e) row[e] = 0.0f;
+    } else {
+      for (int64_t e = 0; e < dp; ++e) row[e] = 0.0f;
+    }
+  }
+}
 
 template <typename T, typename KT>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -90,6 +226,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_seqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  const int64_t nv = (head_dim + 15) / 16, dp = nv * 16;
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -108,12 +245,16 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t t = cu[s]; t < cu[s + 1]; t += TILE_Q) items.push_back({s, t, std::min<int64_t>(TILE_Q, cu[s + 1] - t)});
   }
   const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
+  v16i lane{};
+  for (int i = 0; i < 16; ++i) lane[i] = i;
 
   at::parallel_for(0, num_work, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = TILE_Q * group;
-    std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), scores(max_rows * block_size);
-    std::vector<float> kt(head_dim * block_size), vf(block_size * head_dim), m(max_rows), l(max_rows);
+    std::vector<v16> qf(max_rows * nv), acc(max_rows * nv), s(max_rows);
+    std::vector<v16> kw(KC * nv), vw(KC * nv), kt(dp);
+    std::vector<float> m(max_rows), l(max_rows);
     std::vector<int64_t> pos(max_rows);
+    float* qff = reinterpret_cast<float*>(qf.data());
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[w / num_kv_heads];
       const int64_t h = w % num_kv_heads;
@@ -125,72 +266,44 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
           const int64_t r = i * group + g;
           pos[r] = p;
           const T* src = qp + (it.first + i) * q_stride + (h * group + g) * q_head_stride;
-          float* dst = qf.data() + r * head_dim;
+          float* dst = qff + r * dp;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+          for (int64_t d = head_dim; d < dp; ++d) dst[d] = 0.0f;
         }
       }
-      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.0f);
+      std::fill(acc.begin(), acc.begin() + rows * nv, splat(0.0f));
       std::fill(m.begin(), m.begin() + rows, NEG_INF);
       std::fill(l.begin(), l.begin() + rows, 0.0f);
       const int64_t hi = pos[rows - 1];  // last key any row may see
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) : 0;
       const int32_t* table = tables + it.seq * max_blocks;
       for (int64_t b = lo / block_size; b * block_size <= hi; ++b) {
-        const int64_t j0 = b * block_size;
-        const int64_t n = std::min<int64_t>(block_size, hi + 1 - j0);
-        const KT* kb = kp + table[b] * kv_block_stride + h * head_dim;
-        const KT* vb = vp + table[b] * kv_block_stride + h * head_dim;
-        for (int64_t j = 0; j < n; ++j) {  // K transposed [D, n] and V [n, D], widened to fp32
-          for (int64_t d = 0; d < head_dim; ++d) kt[d * block_size + j] = widen(kb[j * kv_tok_stride + d], fp8);
-          if constexpr (!std::is_same_v<KT, float>) {
-            for (int64_t d = 0; d < head_dim; ++d) vf[j * head_dim + d] = widen(vb[j * kv_tok_stride + d], fp8);
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          float* sr = scores.data() + r * block_size;
-          const float* qr = qf.data() + r * head_dim;
-          for (int64_t j = 0; j < n; ++j) sr[j] = 0.0f;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            const float qd = qr[d];
-            const float* kd = kt.data() + d * block_size;
-#pragma omp simd
-            for (int64_t j = 0; j < n; ++j) sr[j] += qd * kd[j];
-          }
-          if (soft_cap > 0.0f) {
-            for (int64_t j = 0; j < n; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
-          }
-          const int64_t p = pos[r];
-          float block_max = NEG_INF;
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t key = j0 + j;
-            const bool visible = key <= p && (window <= 0 || key > p - window);
-            sr[j] = visible ? sr[j] : NEG_INF;
-            block_max = std::max(block_max, sr[j]);
-          }
-          if (block_max == NEG_INF) continue;  // nothing visible to this row in this block
-          const float m_new = std::max(m[r], block_max);
-          const float alpha = exp_neg(m[r] - m_new);  // m[r] = -inf → 0
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
-            sr[j] = exp_neg(sr[j] - m_new);
-            sum += sr[j];
-          }
-          l[r] = l[r] * alpha + sum;
-          m[r] = m_new;
-          float* ar = acc.data() + r * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ar[d] *= alpha;
-          for (int64_t j = 0; j < n; ++j) {
-            const float pj = sr[j];
-            const float* vj;  // fp32 V is read in place; other dtypes from the widened copy
-            if constexpr (std::is_same_v<KT, float>) {
-              vj = vb + j * kv_tok_stride;
-            } else {
-              vj = vf.data() + j * head_dim;
+        const int64_t n_block = std::min<int64_t>(block_size, hi + 1 - b * block_size);
+        for (int64_t c0 = 0; c0 < n_block; c0 += KC) {
+          const int64_t j0 = b * block_size + c0, n = std::min<int64_t>(KC, n_block - c0);
+          const int64_t base = table[b] * kv_block_stride + c0 * kv_tok_stride + h * head_dim;
+          widen_chunk(kp + base, kv_tok_stride, n, head_dim, nv, fp8, kw.data());
+          widen_chunk(vp + base, kv_tok_stride, n, head_dim, nv, fp8, vw.data());
+          chunk_scores(qf.data(), rows, nv, kw.data(), kt.data(), s.data());
+          const v16i keys = lane + static_cast<int32_t>(j0);
+          const v16i in_chunk = lane < static_cast<int32_t>(n);
+          for (int64_t r = 0; r < rows; ++r) {
+            v16 sr = s[r];
+            if (soft_cap > 0.0f) {
+              for (int j = 0; j < KC; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
             }
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ar[d] += pj * vj[d];
+            const int32_t p = static_cast<int32_t>(pos[r]);
+            v16i visible = in_chunk & (keys <= p);
+            if (window > 0) visible &= keys > p - static_cast<int32_t>(window);
+            sr = visible ? sr : splat(NEG_INF);
+            const float block_max = hmax(sr);
+            if (block_max == NEG_INF) continue;  // nothing visible to this row in this chunk
+            const float m_new = std::max(m[r], block_max);
+            const float alpha = exp_neg(m[r] - m_new);  // m[r] = -inf → 0
+            const v16 pr = exp_neg_v(sr - m_new);        // invisible lanes: exp(-inf) = 0
+            l[r] = l[r] * alpha + hsum(pr);
+            m[r] = m_new;
+            accumulate_pv(acc.data() + r * nv, nv, alpha, pr, vw.data(), n);
           }
         }
       }
@@ -198,7 +311,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
         const int64_t i = r / group, g = r % group;
         T* dst = op + (it.first + i) * o_stride + (h * group + g) * o_head_stride;
         const float inv = 1.0f / l[r];
-        const float* ar = acc.data() + r * head_dim;
+        const float* ar = reinterpret_cast<const float*>(acc.data() + r * nv);
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(ar[d] * inv);
       }
     }
