@@ -154,14 +154,20 @@ def openai_send(base_url: str, model: str, api_key: str = "EMPTY") -> SendFn:
     """Stream ``/v1/completions`` (prompt = token ids, greedy, ``ignore_eos``) from an OpenAI server.
 
     One streamed chunk is counted as one token; if the final usage says more tokens were
-    generated, the difference is added at the last chunk's time.
+    generated, the difference is added at the last chunk's time. One client per event loop: httpx's
+    connection pool is bound to the loop that opened it, and a warm-up and the measured run are two
+    ``asyncio.run`` calls (before, the measured run's first request failed: "Event loop is closed").
     """
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=3600)
+    clients: dict[int, AsyncOpenAI] = {}
 
     async def send(request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
-        stream = await client.completions.create(
+        loop = id(asyncio.get_running_loop())
+        if loop not in clients:
+            clients.clear()
+            clients[loop] = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=3600)
+        stream = await clients[loop].completions.create(
             model=model,
             prompt=list(request.prompt_token_ids),
             max_tokens=request.max_new_tokens,
