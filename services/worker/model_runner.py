@@ -65,7 +65,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
         if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
-            prepacked_linear.prepack(self.model)  # CPU float32 only; FUSESERVE_PREPACK=0: F.linear
+            prepacked_linear.prepack(self.model)  # fp32, bf16 where native; FUSESERVE_PREPACK=0 off
         self.block_size = self.config.block_size
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)  # the cache's storage
         self.backend = backend or get_backend(
