@@ -62,14 +62,14 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def server_cmd(system: str, model_dir: Path, port: int, dtype: str, threads: int | None):
-    """(argv, env) that start ``system`` on ``port``."""
+def server_cmd(system: str, model_dir: Path, port: int, dtype: str, extra: list[str]):
+    """(argv, env) that start ``system`` on ``port``; ``extra``: more ``fuseserve serve`` flags."""
     if system == "vllm":
         peer = VllmPeer()
         return peer.serve_cmd(peer.model_dir(model_dir), port, dtype, SERVED_NAME), peer.env()
     argv = [sys.executable, "-m", "fuseserve.cli", "serve", "--model", str(model_dir), "--port", str(port)]
     argv += ["--dtype", dtype, "--served-model-name", SERVED_NAME]
-    return argv + (["--threads", str(threads)] if threads else []), dict(os.environ)
+    return argv + extra, dict(os.environ)
 
 
 def run_system(system: str, a: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]) -> dict:
@@ -77,7 +77,7 @@ def run_system(system: str, a: argparse.Namespace, model_dir: Path, requests: li
     if system == "vllm" and (reason := VllmPeer().unavailable_reason()):
         return {"system": system, "error": reason}
     port = free_port()
-    argv, env = server_cmd(system, model_dir, port, a.dtype, a.threads)
+    argv, env = server_cmd(system, model_dir, port, a.dtype, a.fuseserve_args.split())
     log_path = Path(a.logs) / f"{system}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -109,7 +109,11 @@ def main() -> None:
     ap.add_argument("--output-mean", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=None, help="fuseserve's worker threads (default: serve's)")
+    ap.add_argument(
+        "--fuseserve-args",
+        default="",
+        help="more `fuseserve serve` flags, e.g. '--threads 1 --token-budget 256'",
+    )
     ap.add_argument("--start-limit-s", type=float, default=900.0)
     ap.add_argument("--logs", default="/tmp", help="folder for each server's log")
     ap.add_argument("--out", default=None, help="JSON lines of the records")
