@@ -40,25 +40,6 @@ namespace {
 constexpr int64_t TILE_Q = 16;  // query tokens per work item (prefill); rows = TILE_Q * group
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (arguments here are score - running max), vectorisable: 2^k * p(r) with
-// r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 polynomial (relative error ~2e-7); x < -87 → 0.
-inline float exp_neg(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float k = std::floor(xc * 1.4426950408889634f + 0.5f);
-  const float r = xc - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
 // e4m3fn byte -> fp32, all 256 values (NaN patterns included), built once.
 const std::array<float, 256>& fp8_table() {
   static const std::array<float, 256> table = [] {
@@ -99,8 +80,9 @@ inline float hmax(v16 v) {
   return m;
 }
 
-// exp_neg on 16 lanes (same polynomial; k rounded to nearest by the 1.5 * 2^23 trick, so ties may
-// round the other way than floor(x + 0.5): r stays within [-ln2/2, ln2/2] either way).
+// exp(x) on 16 lanes for x <= 0 (arguments here are score - running max): 2^k * p(r) with
+// r = x - k ln2 in [-ln2/2, ln2/2] (k rounded to nearest by the 1.5 * 2^23 trick) and a degree-6
+// polynomial (relative error ~2e-7); x < -87 (and -inf) → 0.
 inline v16 exp_neg_v(v16 x) {
   const v16 lim = splat(-87.0f);
   const v16 xc = x < lim ? lim : x;
@@ -299,7 +281,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
             const float block_max = hmax(sr);
             if (block_max == NEG_INF) continue;  // nothing visible to this row in this chunk
             const float m_new = std::max(m[r], block_max);
-            const float alpha = exp_neg(m[r] - m_new);  // m[r] = -inf → 0
+            const float alpha = exp_neg_v(splat(m[r] - m_new))[0];  // m[r] = -inf → 0
             const v16 pr = exp_neg_v(sr - m_new);        // invisible lanes: exp(-inf) = 0
             l[r] = l[r] * alpha + hsum(pr);
             m[r] = m_new;
