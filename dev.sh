@@ -10,6 +10,7 @@
 #   ./dev.sh bench [benchmark options]            the paper's benchmark, quick mode
 #   ./dev.sh scale [scale_out options]            scale-out on simulated workers, quick mode (< 3 min)
 #   ./dev.sh lock                                 rewrite constraints.txt from .venv (after the suite passed)
+#   ./dev.sh setup                                only create .venv and install (deploy/build-images.sh calls it)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${VENV:-.venv}"
@@ -47,6 +48,7 @@ optional_tools() {
 cmd="${1:-help}"
 shift || true
 case "$cmd" in
+  setup)    setup ;;
   serve)    setup; exec "$VENV/bin/fuseserve" serve "$@" ;;
   generate) setup; exec "$VENV/bin/fuseserve" generate "$@" ;;
   test)     setup; optional_tools prometheus; exec "$PY" -m pytest -q "$@" ;;
@@ -69,5 +71,5 @@ case "$cmd" in
             { sed -n '1,/^# ---$/p' constraints.txt
               "$PY" -m pip freeze --exclude-editable | grep -viE '^(torch|triton)==' ; } > constraints.txt.new
             mv constraints.txt.new constraints.txt; echo "constraints.txt: $(grep -c '==' constraints.txt) pins" ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  *) sed -n '2,13p' "$0"; exit 2 ;;
 esac

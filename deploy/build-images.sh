@@ -51,6 +51,7 @@ LOCAL=deploy/.cache
 WHEELS=$SHARED/wheelhouse        # downloaded wheels + resolved lists (shared)
 CONTEXT_WHEELS=$LOCAL/wheelhouse  # what the Dockerfiles mount: hard links to $WHEELS + the fuseserve wheel
 PY=${PY:-${VENV:-.venv}/bin/python}  # dev.sh's venv (VENV, as dev.sh reads it)
+[ -x "$PY" ] || ./dev.sh setup        # a fresh clone has none yet: dev.sh makes it (a few minutes, once)
 TARGET_PY=3.11.2
 TARGET_PLATFORM=x86_64-manylinux_2_28
 WORKER_DEVICES=${WORKER_DEVICES:-cpu}
