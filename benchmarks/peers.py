@@ -160,10 +160,10 @@ def openai_send(base_url: str, model: str, api_key: str = "EMPTY") -> SendFn:
     """
     from openai import AsyncOpenAI
 
-    clients: dict[int, AsyncOpenAI] = {}
+    clients: dict[asyncio.AbstractEventLoop, AsyncOpenAI] = {}  # keyed by the loop itself: no id reuse
 
     async def send(request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
-        loop = id(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         if loop not in clients:  # earlier clients are kept: dropping one schedules its close on a dead loop
             clients[loop] = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=3600)
         stream = await clients[loop].completions.create(

@@ -76,9 +76,7 @@ class Admission:
 
     async def _read(self) -> Snapshot:
         now = time.monotonic()
-        num_workers = 0
-        async for _key in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=1000):
-            num_workers += 1
+        num_workers = len(await self._worker_keys())
         stats_keys = [k async for k in self.redis.scan_iter(match=SCHEDULER_STATS_PATTERN, count=1000)]
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.exists(SCHEDULER_HEARTBEAT)
@@ -95,9 +93,13 @@ class Admission:
 
         Raises ``redis.exceptions.RedisError`` when Redis fails.
         """
-        keys = [k async for k in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=1000)]
+        keys = await self._worker_keys()
         raws = await self.redis.mget(keys) if keys else []
         return [WorkerRecord.decode(raw) for raw in raws if raw]
+
+    async def _worker_keys(self) -> list:
+        """The keys of the live workers' records (``fuseserve:worker:*``)."""
+        return [k async for k in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=1000)]
 
     async def check(self) -> Snapshot:
         """Raise ``SchedulerUnavailableError`` (503) without a scheduler heartbeat,
