@@ -194,6 +194,11 @@ class EngineConfig:
         flag ``--compile``; off by default (not yet measured faster than eager on SmolLM2).
     quantization: one of ``QUANTIZATIONS`` or None (a GGUF file dequantized to float32).
     kv_cache_dtype: one of ``KV_CACHE_DTYPES``; ``fp8``: 2x the blocks of bf16 in the same memory.
+    lora_modules: LoRA adapters served, ``NAME=PATH`` entries (keyword: also a dict name → path);
+        ``lora_paths()`` reads them (vLLM's ``--lora-modules``).
+    max_loras: adapter slots per worker: distinct adapters among a worker's running sequences, hence
+        per pass (the base model counts as none); vLLM's ``--max-loras``.
+    max_lora_rank: the largest adapter rank served (slots are this wide); vLLM's ``--max-lora-rank``.
     """
 
     token_budget: int | None = option(
@@ -303,9 +308,42 @@ class EngineConfig:
         "left as its own kernel); off by default until it is measured faster than eager on SmolLM2",
         commands=_RUNNER,
     )
+    lora_modules: list[str] | None = option(
+        None,
+        "LoRA adapters to serve, each NAME=PATH (a PEFT directory: adapter_config.json + "
+        "adapter_model.safetensors); a request names one (pipeline: lora=NAME) (default: none)",
+        commands=_RUNNER,
+        metavar="NAME=PATH",
+    )
+    max_loras: int = option(
+        1,
+        "distinct LoRA adapters per worker at once (its adapter slots; a pass holds at most this "
+        "many, the base model counts as none) (default: %(default)s)",
+        commands=_ALL,
+    )
+    max_lora_rank: int = option(
+        16, "largest LoRA rank served; a higher one is refused (default: %(default)s)", commands=_RUNNER
+    )
     watermark_blocks: int = 1
     max_preemptions: int = 4
     prefix_aware_placement: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, dict):  # pipeline(lora_modules={"name": path})
+            self.lora_modules = [f"{name}={path}" for name, path in self.lora_modules.items()]
+
+    def lora_paths(self) -> dict[str, str]:
+        """``lora_modules`` as adapter name → path. Raises ``InvalidParameterError`` for an entry
+        that is not ``NAME=PATH`` or a name given twice."""
+        paths: dict[str, str] = {}
+        for entry in self.lora_modules or ():
+            name, sep, path = str(entry).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise InvalidParameterError("lora_modules", entry, "NAME=PATH entries")
+            if name.strip() in paths:
+                raise InvalidParameterError("lora_modules", entry, "each adapter name once")
+            paths[name.strip()] = path.strip()
+        return paths
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` for an out-of-range field."""
@@ -329,7 +367,8 @@ class EngineConfig:
             raise InvalidParameterError("watermark_blocks", self.watermark_blocks, ">= 0")
         if self.max_preemptions < 0:
             raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
-        for name in ("decode_passes", "tensor_parallel_size"):
+        self.lora_paths()
+        for name in ("decode_passes", "tensor_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(name, value, "an integer >= 1")

@@ -14,7 +14,7 @@ import time
 import torch
 
 from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
-from fuseserve.errors import KVCacheTooSmallError
+from fuseserve.errors import InvalidRequestError, KVCacheTooSmallError
 from fuseserve.kernels.kv_quant import kv_cache_dtype
 from fuseserve.model_source import quantization_method
 from fuseserve.structured import model_grammar_backend
@@ -24,6 +24,7 @@ from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward
 from fuseserve.worker.compiled_forward import CompiledForward
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
+from fuseserve.worker.lora_manager import LoRAManager
 from fuseserve.worker.multi_pass_run import run_passes
 from fuseserve.worker.prompt_logprobs import PromptScorer, ScoreRows
 from fuseserve.worker.ragged_batch import RaggedBatch
@@ -66,6 +67,16 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
         if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
             prepacked_linear.prepack(self.model)  # fp32, bf16 where native; FUSESERVE_PREPACK=0 off
+        self.lora: LoRAManager | None = None  # the adapters of ``lora_modules`` (lora_manager.py)
+        if self.config.lora_modules:
+            self.lora = LoRAManager(
+                self.model,
+                self.config.lora_paths(),
+                self.config.max_loras,
+                self.config.max_lora_rank,
+                self.dtype,
+                self.device,
+            )
         self.block_size = self.config.block_size
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)  # the cache's storage
         self.backend = backend or get_backend(
@@ -79,7 +90,10 @@ class ModelRunner:
         self.compiled: CompiledForward | None = None
         self.compile_s = 0.0  # seconds the warm-up compilation took (0 without compilation)
         if compiled_forward.wanted(self.config.compile) and parallel.world()[1] == 1:
-            self._compile(progress)
+            if self.lora is None:
+                self._compile(progress)
+            else:
+                log.warning("LoRA adapters are served eagerly: the compiled forward does not take them")
         num_blocks = self.kv_cache.num_blocks
         self.seq_table = SeqTable(
             num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
@@ -218,7 +232,7 @@ class ModelRunner:
     def forward_batch(self, batch: RaggedBatch, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over ``batch``: hidden states ``[T, hidden]`` and fp32 logits ``[S', vocab]`` of
         ``batch.logits_indices``; prompt logprobs of this pass go to ``self._scored``."""
-        ctx = ForwardContext(self.backend, metadata, self.kv_cache)
+        ctx = ForwardContext(self.backend, metadata, self.kv_cache, lora=batch.lora)
         with forward_context(ctx):
             if self.compiled is not None:
                 hidden = self.compiled(batch.input_ids, batch.positions, ctx)
@@ -232,13 +246,19 @@ class ModelRunner:
         """Build the flattened ragged batch; block tables grow by the ids the chunks carry.
 
         Raises what ``SeqTable.admit`` raises: ``SchedulerError`` for an inconsistent plan,
-        ``InvalidBlockError`` for a block id outside the pool.
+        ``InvalidBlockError`` for a block id outside the pool; ``InvalidRequestError`` for a LoRA
+        adapter this worker does not serve (``LoRAManager.slot``).
         """
         input_ids: list[int] = []
         starts, query_lens, context_lens, tables, logits_idx, sampling_chunks = [], [], [], [], [], []
+        lora_slots: list[int] = []
         self._score_rows = []
         for c in plan.chunks:
             seq, tokens, table = self.seq_table.admit(c)
+            if self.lora is not None:
+                lora_slots.append(self.lora.slot(seq.lora, self._live_adapters))
+            elif seq.lora is not None:
+                raise InvalidRequestError(f"LoRA adapter {seq.lora!r}: this worker serves none", "lora")
             if c.prefix_token_ids:  # a cached prefix: its tokens count for penalties all the same
                 self._record_tokens(seq, 0, c.prefix_token_ids)
             self._record_tokens(seq, c.start_pos, tokens)
@@ -258,7 +278,13 @@ class ModelRunner:
                 logits_idx.append(len(input_ids) - 1)
                 sampling_chunks.append(c)
         batch = self._ragged_batch(input_ids, starts, query_lens, context_lens, tables, logits_idx)
+        if self.lora is not None:
+            batch.lora = self.lora.batch(lora_slots, query_lens)
         return batch, sampling_chunks
+
+    def _live_adapters(self) -> set[str]:
+        """The LoRA adapters of the sequences this worker holds."""
+        return {s.lora for s in self.seqs.values() if s.lora is not None}
 
     def _ragged_batch(
         self,

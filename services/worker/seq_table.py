@@ -33,6 +33,7 @@ class WorkerSeq:
     prompt_len: prompt tokens (penalties tell prompt from generated tokens by it).
     stopped: a multi-pass plan stopped it on a stop token (``multi_pass_run.py``); its chunks in plans
         built before the scheduler learned so are dropped until it is freed or restarted.
+    lora: the LoRA adapter it runs with (its first chunk's ``lora``); None: the base model.
     """
 
     num_computed: int
@@ -41,6 +42,7 @@ class WorkerSeq:
     prompt_len: int
     block_table: list[int]
     stopped: bool = False
+    lora: str | None = None
 
 
 class SeqTable:
@@ -120,7 +122,7 @@ class SeqTable:
             if seq is not None:  # a recompute restarts the sequence from scratch
                 self.free([c.seq_id])
             sampling = self._new_sampling(c.params) if self._new_sampling else None
-            seq = WorkerSeq(c.start_pos, None, sampling, c.prompt_len, [])
+            seq = WorkerSeq(c.start_pos, None, sampling, c.prompt_len, [], lora=c.lora)
             self.seqs[c.seq_id] = seq
         if seq is None:
             raise SchedulerError(f"seq {c.seq_id}: unknown; its first chunk must carry sampling params")
