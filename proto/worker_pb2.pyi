@@ -96,7 +96,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "start_pos", "num_tokens", "token_ids", "sample", "params", "prompt_len", "block_ids", "prefix_token_ids")
+    __slots__ = ("seq_id", "start_pos", "num_tokens", "token_ids", "sample", "params", "prompt_len", "block_ids", "prefix_token_ids", "lora_name")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class SeqChunk(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_pos: int
     num_tokens: int
@@ -115,7 +116,8 @@ class SeqChunk(_message.Message):
     prompt_len: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, seq_id: _Optional[int] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "chunks", "free_seq_ids", "num_passes")
