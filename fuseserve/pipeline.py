@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterator
 
 from fuseserve.config import DEFAULT_MODEL, EngineConfig
-from fuseserve.errors import FuseServeError
+from fuseserve.errors import FuseServeError, InvalidRequestError
 from fuseserve.frontend import Delta, OutputState, PromptEncoder, as_batch
 from fuseserve.frontend.model_info import (
     context_length,
@@ -51,9 +51,12 @@ Prompt = str | list[int]
 class _Request(OutputState):
     """One prompt in flight: its output state, its engine ``seq_id`` and its event queue."""
 
-    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer):
+    def __init__(
+        self, seq_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer, lora: str | None = None
+    ):
         super().__init__(prompt_ids, params, tokenizer)
         self.seq_id = seq_id
+        self.lora = lora  # the LoRA adapter it runs with (None: the base model)
         self.events: queue.Queue = queue.Queue()
 
     def response(self) -> Response:
@@ -150,38 +153,65 @@ class Pipeline:
         return self.core.scheduler
 
     # ----- public API -----
-    def __call__(self, prompts: Prompt | list[Prompt], **kwargs) -> list[Response]:
+    def __call__(
+        self, prompts: Prompt | list[Prompt], lora: str | list[str | None] | None = None, **kwargs
+    ) -> list[Response]:
         """Generate for each prompt (text or token ids); returns one ``Response`` per prompt, in order.
 
+        ``lora``: the LoRA adapter (a name of ``lora_modules``) every prompt runs with, or one per
+        prompt (None: the base model); prompts of different adapters share forward passes.
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` (unknown keyword, bad value, empty
-        prompt) and ``ContextLengthExceededError`` before anything runs.
+        prompt, unknown adapter) and ``ContextLengthExceededError`` before anything runs.
         """
         params = self._params(kwargs)
-        ids = [self._encode(p, params) for p in as_batch(prompts)]
-        reqs = [self._submit(p, params) for p in ids]
+        batch = as_batch(prompts)
+        loras = self._loras(lora, len(batch))
+        ids = [self._encode(p, params) for p in batch]
+        reqs = [self._submit(p, params, a) for p, a in zip(ids, loras, strict=True)]
         return [self._collect(r) for r in reqs]
 
-    def stream(self, prompt: Prompt, **kwargs) -> Iterator[str]:
+    def stream(self, prompt: Prompt, lora: str | None = None, **kwargs) -> Iterator[str]:
         """Yield text deltas as they are produced; joined, they equal the non-streamed text."""
         params = self._params(kwargs)
-        return self._lazy_events(self._encode(prompt, params), params, with_tokens=False)
+        (lora,) = self._loras(lora, 1)
+        return self._lazy_events(self._encode(prompt, params), params, lora, with_tokens=False)
 
-    def stream_tokens(self, prompt: Prompt, **kwargs) -> Iterator[tuple[int, str]]:
+    def stream_tokens(self, prompt: Prompt, lora: str | None = None, **kwargs) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, text_delta)`` for every generated token as the engine produces it.
 
         ``text_delta`` may be ``""`` (an incomplete UTF-8 character or text held back as a possible
         stop string; it arrives with a later token). Same keywords and errors as ``__call__``.
         """
         params = self._params(kwargs)
-        return self._lazy_events(self._encode(prompt, params), params, with_tokens=True)
+        (lora,) = self._loras(lora, 1)
+        return self._lazy_events(self._encode(prompt, params), params, lora, with_tokens=True)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters this pipeline serves (``lora_modules``' names)."""
+        return list(self.config.lora_paths())
+
+    def _loras(self, lora: str | list[str | None] | None, n: int) -> list[str | None]:
+        """``lora`` for each of ``n`` prompts, checked; raises ``InvalidRequestError``."""
+        loras = list(lora) if isinstance(lora, list | tuple) else [lora] * n
+        if len(loras) != n:
+            raise InvalidRequestError(f"lora: {len(loras)} adapters for {n} prompts", param="lora")
+        known = self.lora_names
+        for name in loras:
+            if name is not None and name not in known:
+                raise InvalidRequestError(
+                    f"unknown LoRA adapter {name!r}; this pipeline serves {known or 'none'} (lora_modules)",
+                    param="lora",
+                )
+        return loras
 
     def _params(self, kwargs: dict) -> SamplingParams:
         """Validated params: ``kwargs`` over the model's ``generation_config.json`` defaults."""
         return SamplingParams.from_kwargs(**{**self.defaults, **kwargs})
 
-    def _lazy_events(self, ids: list[int], params: SamplingParams, with_tokens: bool):
+    def _lazy_events(self, ids: list[int], params: SamplingParams, lora: str | None, with_tokens: bool):
         """Submit on the first ``next()``, so a stream dropped before iteration never runs."""
-        req = self._submit(ids, params)
+        req = self._submit(ids, params, lora)
         for tok, delta in self._events(req):
             if with_tokens and tok is not None:
                 yield tok, delta
@@ -189,7 +219,8 @@ class Pipeline:
                 yield delta
 
     def chat(self, messages: list[dict], **kwargs) -> Response:
-        """Apply the model's chat template (with the generation prompt) and generate one response."""
+        """Apply the model's chat template (with the generation prompt) and generate one response
+        (``lora`` and the other keywords as ``__call__``'s)."""
         return self(self.chat_prompt_ids(messages), **kwargs)[0]
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -221,12 +252,12 @@ class Pipeline:
         self.encoder.check_context(len(ids), params.max_new_tokens)
         return ids
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> _Request:
+    def _submit(self, ids: list[int], params: SamplingParams, lora: str | None = None) -> _Request:
         if self._closed:
             raise FuseServeError("pipeline is closed")
         if params.constrained:  # a grammar the library cannot compile is a 400 here, not a worker error
             grammar_backend(self.tokenizer, self.runner.vocab_size, self.eos_token_ids).check(params)
-        req = _Request(next(self._ids), ids, params, self.tokenizer)
+        req = _Request(next(self._ids), ids, params, self.tokenizer, lora)
         self._command("add", req)
         return req
 
@@ -310,7 +341,7 @@ class Pipeline:
         if kind == "add":
             req: _Request = payload
             try:
-                self.core.add_request(Sequence(req.seq_id, req.prompt_ids, req.params))
+                self.core.add_request(Sequence(req.seq_id, req.prompt_ids, req.params, lora=req.lora))
                 self._requests[req.seq_id] = req
             except FuseServeError as e:
                 req.events.put(e)
@@ -372,7 +403,10 @@ def pipeline(model: str = DEFAULT_MODEL, **kwargs) -> Pipeline:
     --tensor-parallel-size``: ranks 1.. run in processes of their own, gloo on CPU, NCCL on CUDA;
     default 1); overlap (build the next pass while the current one runs; default True);
     prefix_caching (reuse the KV of prompt prefixes already computed; default True);
-    watermark_blocks, max_preemptions, prefix_aware_placement. Front end: tokenizer (a tokenizer
+    watermark_blocks, max_preemptions, prefix_aware_placement; lora_modules (LoRA adapters served,
+    ``{"name": path}`` of PEFT directories, or ``["name=path", ...]``; a call picks one with
+    ``lora=``), max_loras (adapters resident at once; a pass holds at most this many; default 1),
+    max_lora_rank (default 16). Front end: tokenizer (a tokenizer
     directory replacing the model's; without any tokenizer only token-id prompts work),
     chat_template (a Jinja file replacing the model's), max_model_len (context length in tokens, at
     most the model's). cache_dir: where converted models and profiles are cached; progress: show

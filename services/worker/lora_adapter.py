@@ -34,6 +34,19 @@ from fuseserve.worker.lora_layers import LoRALinear
 from fuseserve.worker.models.layers import MergedLinear
 from fuseserve.worker.parallel import RowParallelLinear
 
+SERVED_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
+"""Checkpoint module names an adapter may target (``qkv_proj`` / ``gate_up_proj``: checkpoints that
+store them fused, Phi-3); whether the model has them is checked tensor by tensor."""
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z_]\w*)?\.weight$")
@@ -93,7 +106,19 @@ def read_config(name: str, path: Path) -> dict:
             raise LoRAAdapterError(name, f"{what} is not served ({key}={config[key]!r})")
     if not isinstance(config.get("r"), int) or config["r"] < 1:
         raise LoRAAdapterError(name, f"{file}: r={config.get('r')!r} is not a rank >= 1")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):  # a regex (a string) is checked through the tensors it matched
+        for target in targets:
+            if target.rpartition(".")[2] not in SERVED_TARGETS:
+                raise LoRAAdapterError(name, _unserved(target))
     return config
+
+
+def _unserved(target: str) -> str:
+    return (
+        f"target module {target!r} is not served: LoRA applies to the decoder's projections "
+        f"({', '.join(SERVED_TARGETS)})"
+    )
 
 
 def read_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -> LoRAAdapter:
@@ -154,11 +179,7 @@ def _place(
         module = module.base
     leaf = hf_module.rpartition(".")[2]
     if module is None or not adaptable(module) or param.rpartition(".")[2] != "weight":
-        raise LoRAAdapterError(
-            name,
-            f"target module {leaf!r} ({hf_module}) is not served: LoRA applies to the decoder's "
-            "projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
-        )
+        raise LoRAAdapterError(name, _unserved(leaf) + f" ({hf_module})")
     full_in = _full_in(module)
     full_out = _full_out(module, part)
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
