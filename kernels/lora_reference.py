@@ -51,9 +51,8 @@ def grouped_delta(
     ``groups`` (one entry per slot in the pass, base tokens in none). ``x [T, in]``, ``y [T, out]``
     in the model dtype; returns ``y``, changed in place."""
     for slot, rows in groups:
-        delta = (x[rows] @ a[slot]) @ b[slot]
-        if isinstance(rows, slice):
-            y[rows] += delta
+        if isinstance(rows, slice):  # two calls: the shrink, then the expand added in place
+            y[rows].addmm_(x[rows] @ a[slot], b[slot])
         else:
-            y.index_add_(0, rows, delta)
+            y.index_add_(0, rows, (x[rows] @ a[slot]) @ b[slot])
     return y

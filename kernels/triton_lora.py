@@ -143,13 +143,14 @@ def _block_m(max_seg_len: int) -> int:
 def sgmv_shrink(
     x: torch.Tensor, a: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int
 ) -> torch.Tensor:
-    """``x [T, in]``, ``a [L, in, K]`` (same dtype), segments (int32 ``[S + 1]`` / ``[S]``, on
-    ``x``'s device) → ``s [T, K]`` fp32; rows of base segments are zeros. ``max_seg_len``: the longest
-    segment, in tokens (sizes the grid)."""
+    """``x [T, in]``, ``a [L, in, K]`` (same dtype; any strides but the last, 1), segments (int32
+    ``[S + 1]`` / ``[S]``, on ``x``'s device) → ``s [T, K]`` fp32; rows of base segments are zeros.
+    ``max_seg_len``: the longest segment, in tokens (sizes the grid)."""
     t, k_in = x.shape
     k = a.shape[2]
     x = x.contiguous()
-    a = a.contiguous()
+    if a.stride(2) != 1:
+        a = a.contiguous()
     s = torch.zeros(t, k, dtype=torch.float32, device=x.device)
     num_segs = seg_slots.shape[0]
     if t == 0 or num_segs == 0 or k == 0:

@@ -7,6 +7,7 @@ serves the in-process pipeline and the gRPC worker (``docs/architecture.md``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -222,8 +223,11 @@ class ModelRunner:
         """
         self.free(plan.free_seq_ids)
         batch, sampling_chunks = self.prepare(plan)
-        if all_logits:
-            batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
+        if all_logits:  # in plan order (a pass with adapters lays its tokens out adapter by adapter)
+            rows = batch.plan_rows
+            batch.logits_indices = (
+                torch.arange(batch.num_tokens, device=self.device) if rows is None else rows
+            )
         metadata = self.backend.prepare(batch, self.block_size)
         hidden, logits = self.forward_batch(batch, metadata)
         self.seq_table.computed(plan.chunks)
@@ -249,16 +253,17 @@ class ModelRunner:
         ``InvalidBlockError`` for a block id outside the pool; ``InvalidRequestError`` for a LoRA
         adapter this worker does not serve (``LoRAManager.slot``).
         """
+        admitted = [(c, *self.seq_table.admit(c)) for c in plan.chunks]
+        slots = self._lora_slots([seq for _, seq, _, _ in admitted])
+        order: list[int] = list(range(len(admitted)))
+        if len(set(slots)) > 1:  # adapter by adapter: each slot's tokens contiguous (few, long segments)
+            order.sort(key=slots.__getitem__)
         input_ids: list[int] = []
-        starts, query_lens, context_lens, tables, logits_idx, sampling_chunks = [], [], [], [], [], []
-        lora_slots: list[int] = []
+        starts, query_lens, context_lens, tables = [], [], [], []
+        sampled: list[tuple[int, int, SeqChunk]] = []  # (plan index, logits row, chunk)
         self._score_rows = []
-        for c in plan.chunks:
-            seq, tokens, table = self.seq_table.admit(c)
-            if self.lora is not None:
-                lora_slots.append(self.lora.slot(seq.lora, self._live_adapters))
-            elif seq.lora is not None:
-                raise InvalidRequestError(f"LoRA adapter {seq.lora!r}: this worker serves none", "lora")
+        for i in order:
+            c, seq, tokens, table = admitted[i]
             if c.prefix_token_ids:  # a cached prefix: its tokens count for penalties all the same
                 self._record_tokens(seq, 0, c.prefix_token_ids)
             self._record_tokens(seq, c.start_pos, tokens)
@@ -275,12 +280,29 @@ class ModelRunner:
             context_lens.append(c.start_pos + c.num_tokens)
             tables.append(table)
             if c.sample:
-                logits_idx.append(len(input_ids) - 1)
-                sampling_chunks.append(c)
+                sampled.append((i, len(input_ids) - 1, c))
+        sampled.sort(key=lambda s: s[0])  # sampled tokens are returned in plan order
+        logits_idx = [row for _, row, _ in sampled]
         batch = self._ragged_batch(input_ids, starts, query_lens, context_lens, tables, logits_idx)
-        if self.lora is not None:
-            batch.lora = self.lora.batch(lora_slots, query_lens)
-        return batch, sampling_chunks
+        if slots:
+            batch.lora = self.lora.batch([slots[i] for i in order], query_lens)
+            if order != sorted(order):
+                offsets = [0, *itertools.accumulate(query_lens)]
+                where = {chunk: k for k, chunk in enumerate(order)}
+                batch.plan_rows = torch.cat(
+                    [torch.arange(offsets[where[i]], offsets[where[i] + 1]) for i in range(len(order))]
+                ).to(self.device)
+        return batch, [c for _, _, c in sampled]
+
+    def _lora_slots(self, seqs: list[WorkerSeq]) -> list[int]:
+        """Each sequence's LoRA adapter slot (-1: the base model; ``LoRAManager.slot``); empty when
+        the worker serves no adapter. Raises ``InvalidRequestError`` for an adapter it does not serve."""
+        if self.lora is None:
+            named = [s.lora for s in seqs if s.lora is not None]
+            if named:
+                raise InvalidRequestError(f"LoRA adapter {named[0]!r}: this worker serves none", "lora")
+            return []
+        return [self.lora.slot(s.lora, self._live_adapters) for s in seqs]
 
     def _live_adapters(self) -> set[str]:
         """The LoRA adapters of the sequences this worker holds."""

@@ -101,3 +101,39 @@ def test_triton_in_16_bit(dtype):
     want = ref.expand_reference(ref.shrink_reference(x, a, token_slots), b, token_slots, y0.float().clone())
     assert y.dtype == dtype
     assert ((y.float() - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("lengths,slots", CASES + [([30, 40, 20], [2, 0, 2])])
+def test_pass_metadata_cpu_path_matches_reference(lengths, slots):
+    """``LoRABatch`` over chunks (adjacent chunks of a slot merged; one slot twice, apart: index
+    rows) on the CPU path equals the reference."""
+    from fuseserve.worker.lora_layers import LoRABatch
+
+    a, b = _weights(4, 64, 24, 48)
+    token_slots = _token_slots(lengths, slots)
+    x = torch.randn(len(token_slots), 64)
+    base = torch.randn(len(token_slots), 48)
+    want = ref.expand_reference(ref.shrink_reference(x, a, token_slots), b, token_slots, base.clone())
+    batch = LoRABatch.build(slots, lengths, torch.device("cpu"), "grouped")
+    if all(s < 0 for s in slots):
+        assert batch is None
+        return
+    assert len(batch.groups) == len(set(slots) - {-1})
+    got = batch.apply(x, base.clone(), a, b, reduce=False)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_through_the_pass_metadata():
+    """``LoRABatch.apply`` on the Triton path, ``a`` a strided view (Triton reads it in place)."""
+    from fuseserve.worker.lora_layers import LoRABatch
+
+    lengths, slots = CASES[0]
+    a, b = _weights(4, 64, 24, 48)
+    a_view = a.permute(1, 0, 2).contiguous().to(DEVICE).permute(1, 0, 2)  # [L, in, K], strided
+    token_slots = _token_slots(lengths, slots)
+    x = torch.randn(len(token_slots), 64)
+    base = torch.randn(len(token_slots), 48)
+    want = ref.expand_reference(ref.shrink_reference(x, a, token_slots), b, token_slots, base.clone())
+    batch = LoRABatch.build(slots, lengths, torch.device(DEVICE), "triton")
+    got = batch.apply(x.to(DEVICE), base.clone().to(DEVICE), a_view, b.to(DEVICE), reduce=False)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-5)
