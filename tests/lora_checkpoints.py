@@ -1,7 +1,8 @@
 """Test helper: PEFT LoRA adapters with random non-zero A and B for the tiny checkpoints of ``tiny_models``.
 
-- ``ADAPTERS``: three adapters of ranks 4, 8 and 16 with different target modules (attention only
-  for a mixture of experts, whose experts PEFT does not target as modules), one with rsLoRA.
+- ``adapter_specs(family)``: three adapters of ranks 4, 8 and 16 with different target modules
+  (attention only for a mixture of experts, whose experts PEFT does not target as modules; Phi-3's
+  fused ``qkv_proj`` / ``gate_up_proj``), one with rsLoRA.
 - ``write_adapter(hf, path, r, targets, seed)``: a PEFT adapter of ``hf`` saved to ``path``
   (``adapter_config.json`` + ``adapter_model.safetensors``), every ``lora_A`` / ``lora_B`` drawn at
   random (PEFT starts B at zero, which would make the adapter a no-op).
@@ -14,26 +15,21 @@ import torch
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
+TARGETS = {  # family prefix -> the target modules of a4, a8, a16
+    "dense": (["q_proj", "v_proj"], ["k_proj", "o_proj", "gate_proj", "down_proj"], ATTENTION + MLP),
+    "mixtral": (["q_proj", "v_proj"], ["k_proj", "o_proj"], ATTENTION),
+    "phi3": (["qkv_proj"], ["o_proj", "gate_up_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+}
 
 
-def adapter_specs(moe: bool) -> dict[str, dict]:
-    """name → ``{"r", "targets", "alpha", "rslora", "seed"}`` for a dense model or a mixture of experts."""
+def adapter_specs(family: str) -> dict[str, dict]:
+    """name → ``{"r", "targets", "alpha", "rslora", "seed"}`` for a family of ``tiny_models.CONFIGS``."""
+    kind = next((k for k in TARGETS if family.startswith(k)), "dense")
+    t4, t8, t16 = TARGETS[kind]
     return {
-        "a4": {"r": 4, "targets": ["q_proj", "v_proj"], "alpha": 8, "rslora": False, "seed": 1},
-        "a8": {
-            "r": 8,
-            "targets": ["k_proj", "o_proj"] if moe else ["k_proj", "o_proj", "gate_proj", "down_proj"],
-            "alpha": 16,
-            "rslora": False,
-            "seed": 2,
-        },
-        "a16": {
-            "r": 16,
-            "targets": ATTENTION if moe else ATTENTION + MLP,
-            "alpha": 32,
-            "rslora": True,
-            "seed": 3,
-        },
+        "a4": {"r": 4, "targets": t4, "alpha": 8, "rslora": False, "seed": 1},
+        "a8": {"r": 8, "targets": t8, "alpha": 16, "rslora": False, "seed": 2},
+        "a16": {"r": 16, "targets": t16, "alpha": 32, "rslora": True, "seed": 3},
     }
 
 
@@ -54,10 +50,10 @@ def write_adapter(hf, path, r: int, targets: list[str], seed: int, alpha: int = 
     return path
 
 
-def write_adapters(hf, root, moe: bool) -> dict[str, str]:
-    """Every adapter of ``adapter_specs(moe)`` under ``root``; returns name → path."""
+def write_adapters(hf, root, family: str = "llama") -> dict[str, str]:
+    """Every adapter of ``adapter_specs(family)`` under ``root``; returns name → path."""
     paths = {}
-    for name, spec in adapter_specs(moe).items():
+    for name, spec in adapter_specs(family).items():
         paths[name] = str(
             write_adapter(
                 hf, root / name, spec["r"], spec["targets"], spec["seed"], spec["alpha"], spec["rslora"]

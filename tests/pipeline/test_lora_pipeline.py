@@ -21,7 +21,7 @@ from fuseserve.errors import InvalidRequestError, LoRAAdapterError
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-llama")
     hf, _ = tiny_checkpoint("llama-gqa", root / "base")
-    return hf, root, write_adapters(hf, root, moe=False)
+    return hf, root, write_adapters(hf, root)
 
 
 def _pipeline(root, adapters, **kw):

@@ -27,7 +27,7 @@ def test_adapters_over_quantized_weights(case, tmp_path):
     )  # fmt: skip
     hf = random_model(config, seed=3)
     config.quantization_config = write_quantized(hf, tmp_path / "base", **CASES[case])
-    adapters = write_adapters(hf, tmp_path, moe=False)  # on the dequantized weights
+    adapters = write_adapters(hf, tmp_path)  # on the dequantized weights
     engine = EngineConfig(
         kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="float32",
         lora_modules=adapters, max_loras=3, max_lora_rank=16,

@@ -16,7 +16,7 @@ LORAS = {1: "a4", 2: "a8", 3: "a16"}  # sequence 4: the base model
 
 def test_tp2_with_adapters_equals_tp1_and_peft(tmp_path):
     hf, _ = tiny_checkpoint("llama-gqa", tmp_path / "base")
-    adapters = write_adapters(hf, tmp_path, moe=False)
+    adapters = write_adapters(hf, tmp_path)
     options = {"lora_modules": adapters, "max_loras": 3, "max_lora_rank": 16}
     single = one_rank(tmp_path / "base", options=options, loras=LORAS)
     assert isinstance(single, dict), single

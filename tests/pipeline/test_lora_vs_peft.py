@@ -1,6 +1,7 @@
 """Logits with LoRA adapters equal transformers + PEFT on the same random weights (fp32, 1e-4).
 
-LLaMA, Qwen2 (q/k/v biases) and Mixtral (attention adapters over a mixture of experts) shapes, three
+LLaMA, Qwen2 (q/k/v biases), Mixtral (attention adapters over a mixture of experts) and Phi-3
+(adapters on the checkpoint's fused ``qkv_proj`` / ``gate_up_proj``) shapes, three
 PEFT adapters of ranks 4, 8 and 16 with different target modules (one rsLoRA), random A and B. The
 adapters' sequences and a base sequence share every pass, in chunks of different sizes, and the
 model's adapter slots are fewer than the adapters asked for over the test (slots are reused).
@@ -19,14 +20,14 @@ from fuseserve.worker.lora_layers import LoRALinear
 from fuseserve.worker.model_runner import ModelRunner
 
 ATOL = 1e-4
-FAMILIES = ["llama-gqa", "qwen2-bias", "mixtral-top2of8"]
+FAMILIES = ["llama-gqa", "qwen2-bias", "mixtral-top2of8", "phi3-longrope-partial"]  # Phi-3: fused q/k/v
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     hf, config = tiny_checkpoint(request.param, root / "base")
-    adapters = write_adapters(hf, root, moe=request.param.startswith("mixtral"))
+    adapters = write_adapters(hf, root, request.param)
     runner = ModelRunner(
         root / "base",
         config,
