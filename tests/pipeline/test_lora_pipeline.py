@@ -25,15 +25,8 @@ def checkpoint(tmp_path_factory):
 
 
 def _pipeline(root, adapters, **kw):
-    return fuseserve.pipeline(
-        str(root / "base"),
-        lora_modules=adapters,
-        device="cpu",
-        dtype="float32",
-        kv_cache_memory="8MiB",
-        progress=False,
-        **kw,
-    )
+    options = {"device": "cpu", "dtype": "float32", "kv_cache_memory": "8MiB", "progress": False, **kw}
+    return fuseserve.pipeline(str(root / "base"), lora_modules=adapters, **options)
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +116,25 @@ def test_adapter_refusals(checkpoint, tmp_path):
         with pytest.raises(LoRAAdapterError, match=message) as e:
             _pipeline(root, modules, token_budget=16, **kw)
         assert e.value.http_status == 400, what
+
+
+@pytest.mark.parametrize("options", [{"decode_passes": 4}, {"kv_cache_memory": 8 * 4096}])
+def test_multi_step_decoding_and_preemption_keep_each_adapter(checkpoint, pipe, options):
+    """Several decode passes per plan, and a KV pool of 8 blocks that four requests overflow
+    (preempted sequences recompute with their adapter): each request's tokens equal its tokens
+    alone on the roomy pipeline."""
+    _, root, adapters = checkpoint
+    prompts = [random_prompt(i, n, 512) for i, n in ((11, 30), (12, 25), (13, 28), (14, 20))]
+    loras = ["a16", "a4", None, "a8"]
+    params = dict(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    other = _pipeline(root, adapters, **{"token_budget": 16, "max_loras": 3, **options})
+    try:
+        if "kv_cache_memory" in options:
+            assert other.runner.info.num_blocks == 8
+        together = other(prompts, lora=loras, **params)
+        if "kv_cache_memory" in options:
+            assert other.scheduler.num_preemptions > 0
+    finally:
+        other.close()
+    for p, a, got in zip(prompts, loras, together, strict=True):
+        assert got.token_ids == pipe([p], lora=a, **params)[0].token_ids, a
