@@ -138,3 +138,28 @@ def test_multi_step_decoding_and_preemption_keep_each_adapter(checkpoint, pipe, 
         other.close()
     for p, a, got in zip(prompts, loras, together, strict=True):
         assert got.token_ids == pipe([p], lora=a, **params)[0].token_ids, a
+
+
+def test_prompt_logprobs_and_logprobs_follow_each_adapter(pipe):
+    """Prompt logprobs and sampled logprobs of requests of different adapters in the same passes (their
+    tokens laid out adapter by adapter) equal those of each request alone."""
+    prompts = [random_prompt(i, n, 512) for i, n in ((21, 18), (22, 26), (23, 11))]
+    loras = ["a8", None, "a4"]
+    params = dict(max_new_tokens=3, temperature=0.0, prompt_logprobs=2, logprobs=1)
+    together = pipe(prompts, lora=loras, **params)
+    for p, a, got in zip(prompts, loras, together, strict=True):
+        want = pipe([p], lora=a, **params)[0]
+        assert got.token_ids == want.token_ids
+        assert _flat(got.prompt_logprobs) == pytest.approx(_flat(want.prompt_logprobs), abs=1e-4)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def _flat(entries) -> list[float]:
+    """Prompt logprobs as numbers: per position its token id and logprob, then each alternative's
+    (the first position has none)."""
+    out: list[float] = []
+    for e in entries[1:]:
+        out += [e.token_id, e.logprob]
+        for t in e.top:
+            out += [t.token_id, t.logprob]
+    return out
