@@ -54,6 +54,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     dead scheduler's, queued behind a pass) or whose caller is gone is refused (``STEP_STALE``;
     ``Step``: ABORTED). The gap between the end of one pass and the start of the next is reported as
     ``idle_seconds``.
+
+    Fencing: every plan and ``Free`` carries its scheduler's fencing token (the lease's, growing with
+    each takeover). The worker keeps the highest it has seen; a plan or free below it is refused
+    (``STEP_FENCED``; ``Step``: FAILED_PRECONDITION; ``Free``: ``fenced``) and counted
+    (``num_fenced``), so a scheduler that stalled past its lease cannot touch the blocks or publish
+    tokens of the sequences a peer took over.
     """
 
     def __init__(self, runner, worker_id: str, model_name: str, metrics=None):
@@ -65,6 +71,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._next_step: int | None = None  # step_id expected next; None: any (no scheduler yet)
         self._last_end: float | None = None  # perf_counter at the end of the last pass
         self._epoch = 0  # Free(all) calls so far: a scheduler (re)starting its session
+        self.fence = 0  # the highest fencing token seen (plans and frees below it are refused)
+        self.num_fenced = 0  # plans and frees refused for a stale fence
 
     def _wait_turn(self, step_id: int, epoch: int) -> None:
         """With the lock held: wait until every plan numbered below ``step_id`` has run (or a
@@ -90,7 +98,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     def Step(self, request, context):
-        response = self._run(convert.step_plan_from_proto(request), self._epoch, context)
+        response = self._run(convert.step_plan_from_proto(request), self._epoch, request.fence, context)
+        if response.failure == pb.STEP_FENCED:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, response.error)
         if response.failure == pb.STEP_STALE:
             context.abort(grpc.StatusCode.ABORTED, response.error)
         if response.failure == pb.STEP_REJECTED:
@@ -111,7 +121,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         def receive() -> None:
             try:
                 for request in request_iterator:  # the session a plan belongs to: when it arrived
-                    plans.put((convert.step_plan_from_proto(request), self._epoch))
+                    plans.put((convert.step_plan_from_proto(request), self._epoch, request.fence))
             except grpc.RpcError:
                 pass  # the scheduler went away
             finally:
@@ -129,12 +139,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         while (response := responses.get()) is not None:
             yield response
 
-    def _run(self, plan: StepPlan, epoch: int, context) -> pb.StepResponse:
+    def _run(self, plan: StepPlan, epoch: int, fence: int, context) -> pb.StepResponse:
         """Run one plan in ``step_id`` order; a failure is answered with ``failure`` set. ``epoch``:
         the ``Free(all)`` count when the plan arrived (one that arrived before the last belongs to a
-        scheduler that is gone)."""
+        scheduler that is gone); ``fence``: the plan's fencing token."""
         with self._lock:
+            if fence < self.fence:  # before waiting for its turn: a fenced scheduler's numbering is void
+                return self._refuse(plan.step_id, fence)
             self._wait_turn(plan.step_id, epoch)
+            if fence < self.fence:
+                return self._refuse(plan.step_id, fence)
             if epoch != self._epoch or not context.is_active():
                 return pb.StepResponse(
                     step_id=plan.step_id, failure=pb.STEP_STALE, error="plan of a previous scheduler session"
@@ -159,6 +173,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             )
         return convert.step_result_to_proto(result, free)
 
+    def _refuse(self, step_id: int, fence: int) -> pb.StepResponse:
+        """With the lock held: the ``STEP_FENCED`` answer to a plan with a stale ``fence``, counted."""
+        self._count_fenced()
+        log.warning("refused step %d of a fenced-off scheduler (fence %d < %d)", step_id, fence, self.fence)
+        return pb.StepResponse(
+            step_id=step_id,
+            failure=pb.STEP_FENCED,
+            error=f"fence {fence} is below {self.fence}: another scheduler took this worker over",
+            fence=self.fence,
+        )
+
+    def _count_fenced(self) -> None:
+        self.num_fenced += 1
+        if self.metrics is not None:
+            self.metrics.fenced.inc()
+
     def _end_step(self, step_id: int) -> None:
         self._last_end = time.perf_counter()
         self._next_step = step_id + 1
@@ -166,6 +196,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def Free(self, request, context):
         with self._lock:
+            if request.fence < self.fence:
+                self._count_fenced()
+                log.warning(
+                    "refused a free of a fenced-off scheduler (fence %d < %d)", request.fence, self.fence
+                )
+                return pb.FreeResponse(
+                    num_free_blocks=self.runner.num_free_blocks, fenced=True, fence=self.fence
+                )
+            self.fence = request.fence
             ids = list(self.runner.seqs) if request.all else list(request.seq_ids)
             self.runner.free(ids)
             if request.all:  # a scheduler takes over: its plans are numbered from 0
@@ -173,11 +212,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self._next_step = 0
                 self._last_end = None
                 self._lock.notify_all()
-            return pb.FreeResponse(num_free_blocks=self.runner.num_free_blocks)
+            return pb.FreeResponse(num_free_blocks=self.runner.num_free_blocks, fence=self.fence)
 
     def Health(self, request, context):
         return pb.HealthResponse(
-            ok=True, num_free_blocks=self.runner.num_free_blocks, num_running_seqs=len(self.runner.seqs)
+            ok=True,
+            num_free_blocks=self.runner.num_free_blocks,
+            num_running_seqs=len(self.runner.seqs),
+            num_fenced=self.num_fenced,
+            fence=self.fence,
         )
 
 

@@ -20,22 +20,22 @@ its own, its next plan sent while its pass runs). Its I/O is kept off that loop'
 Several schedulers can run (``fuseserve serve --schedulers N``, compose ``--scale scheduler=N``): each
 drives the workers it holds a lease on, claims unleased ones up to its share, and takes over a dead
 scheduler's workers when their leases expire and its pending requests when they have been idle
-``messages.CLAIM_IDLE_MS`` (XAUTOCLAIM). A taken-over request is recomputed from its prompt; its
-tokens carry their index, so the gateway drops those it already sent. ``docs/architecture.md`` walks
-a request through.
+``LeaseTimings.claim_idle_ms`` (XAUTOCLAIM), recomputed from its prompt. Tokens carry their index
+and the request's fence (``request_claims``), plans the lease's (``worker_leases``): no token is sent
+twice and a stalled scheduler cannot act after a peer took over. One left with no worker hands its
+waiting requests to a peer (``scheduler_drain``). ``docs/architecture.md`` walks a request through.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import redis
@@ -50,16 +50,23 @@ from fuseserve.scheduler import engine_loop
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
-from fuseserve.scheduler.service import heartbeat, redis_io, scheduler_drain
+from fuseserve.scheduler.service import (
+    heartbeat,
+    redis_io,
+    request_claims,
+    scheduler_drain,
+    scheduler_metrics,
+)
 from fuseserve.scheduler.service.grpc_worker import IOLoop
 from fuseserve.scheduler.service.redis_io import RedisInbox
+from fuseserve.scheduler.service.request_claims import RequestClaims
 from fuseserve.scheduler.service.scheduler_metrics import SchedulerMetrics
 from fuseserve.scheduler.service.worker_leases import WorkerLeases
 
 log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL_S = 0.5
-CLAIM_INTERVAL_S = 1.0  # how often pending requests of dead schedulers are looked for
+CLAIM_INTERVAL_S = 0.25  # how often pending requests of dead schedulers are looked for
 CONTROL_TRIM_INTERVAL_S = 10.0
 STATS_INTERVAL_S = 1.0
 
@@ -69,6 +76,7 @@ class _Owner:
     gateway_id: str
     entry_id: str
     seq: Sequence
+    fence: int = 0  # the entry's delivery count when taken over (0: first delivery), on its events
 
 
 class SchedulerService:
@@ -79,6 +87,7 @@ class SchedulerService:
         config: engine configuration.
         consumer: this scheduler's name in the consumer group (default: host-pid-random).
         metrics_port: serve Prometheus metrics on this port (None: not served).
+        timings: lease and claim timings (every scheduler of a deployment uses the same).
     """
 
     def __init__(
@@ -87,9 +96,12 @@ class SchedulerService:
         config: EngineConfig,
         consumer: str | None = None,
         metrics_port: int | None = None,
+        timings: messages.LeaseTimings | None = None,
     ):
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.config = config
+        self.timings = timings or messages.LeaseTimings()
+        self.claims = RequestClaims(self.r)
         # the workers' gRPC streams run on this thread's loop, and the core waits for results in it
         self.io = IOLoop(threaded=False)
         self.core = EngineCore(config, eos_token_ids=[], waiter=self.io)
@@ -99,11 +111,16 @@ class SchedulerService:
         self.conn = redis_io.LoopConnection(self.r)  # the loop's writes and periodic reads
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
-        self.leases = WorkerLeases(self.r, self.consumer, self.core, self.metrics, io=self.io)
+        self.leases = WorkerLeases(
+            self.r, self.consumer, self.core, self.metrics, io=self.io, timings=self.timings
+        )
+        self._lost_entries: deque[str] = deque()  # entries a peer claimed (heartbeat → loop)
+        self.num_lost_to_peers = 0  # requests a peer took over from this scheduler (it had stalled)
+        self.num_handed_over = 0  # waiting requests handed to a peer for want of a worker
         self.metrics.watch(self.core)
         self._last_discovery = self._last_claim = self._last_stats = self._last_trim = 0.0
         self._room_changed = True  # recompute ``room`` for the request reader
-        self._no_worker_since: float | None = None
+        self.no_worker_since: float | None = None  # since when it has had no worker (None: it has one)
         self._cpu0 = time.process_time()
         self.accepting = True  # reads new requests (False while draining: ``scheduler.drain``)
         self._heartbeat: threading.Thread | None = None
@@ -121,13 +138,13 @@ class SchedulerService:
         start = "0-0"
         while first_reply is not None or self.room() > 0:
             if first_reply is None:
-                reply = self.conn.call([redis_io.claim_command(self.consumer, min(100, self.room()), start)])[
-                    0
-                ]
+                reply = self.conn.call([self._claim_command(start)])[0]
             else:
                 reply, first_reply = first_reply, None
+            if not self.claims.reload_if_lost([reply]):
+                return  # Redis restarted without the script: claimed at the next round
             redis_io.raise_first_error([reply])  # NOGROUP: ``run`` recreates the group
-            start, entries = redis_io.parse_claim(reply)
+            start, entries = request_claims.parse_claim(reply)
             if entries:
                 log.warning("took over %d requests of a dead scheduler", len(entries))
                 self.num_taken_over += len(entries)
@@ -135,10 +152,17 @@ class SchedulerService:
             if start == "0-0" or not entries:
                 break
 
+    def _claim_command(self, start: str = "0-0") -> tuple:
+        return self.claims.claim_command(
+            self.consumer, min(100, self.room()), self.timings.claim_idle_ms, start
+        )
+
     def _add_requests(self, entries, taken_over: bool = False) -> None:
+        """Add request entries: ``(entry_id, fields)`` as read, or ``(entry_id, fields, delivery
+        count)`` as taken over (``request_claims.parse_claim``)."""
         errors: dict[str, list[TokenEvent]] = defaultdict(list)
         rejected = []
-        for entry_id, fields in entries:
+        for entry_id, fields, *count in entries:
             if not fields:  # deleted while pending
                 rejected.append(entry_id)
                 continue
@@ -162,7 +186,7 @@ class SchedulerService:
                 )
                 rejected.append(entry_id)
                 continue
-            self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
+            self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq, count[0] if count else 0)
             if not taken_over:
                 self.metrics.note_arrival(msg.seq_id)
         self._room_changed = True
@@ -205,7 +229,7 @@ class SchedulerService:
                 self._finish(msg.seq_id)
 
     # ----- outputs -----
-    def _publish_events(self, events: list[TokenEvent]) -> None:
+    def publish_events(self, events: list[TokenEvent]) -> None:
         """Write one poll round's events (one ``XADD`` per gateway) and acknowledge finished requests."""
         by_gateway: dict[str, list[dict]] = defaultdict(list)
         done = []
@@ -213,6 +237,7 @@ class SchedulerService:
             owner = self.owners.get(ev.seq_id)
             if owner is None:
                 continue
+            ev.fence = owner.fence
             by_gateway[owner.gateway_id].append(ev.to_wire())
             if ev.finish_reason is not None:
                 done.append(self.owners.pop(ev.seq_id).entry_id)
@@ -220,6 +245,31 @@ class SchedulerService:
         if done:
             self._room_changed = True
         self.conn.publish(by_gateway, done)
+
+    def note_lost_requests(self, entry_ids: list[str]) -> None:
+        """From the heartbeat: request entries a peer claimed while this scheduler stalled. The loop
+        drops them (``_drop_lost``): the peer serves them, and an ack from here would end its claim."""
+        self._lost_entries.extend(entry_ids)
+        self.core.wakeup()
+
+    def _drop_lost(self) -> None:
+        if not self._lost_entries:
+            return
+        lost = set()
+        while self._lost_entries:
+            lost.add(self._lost_entries.popleft())
+        by_entry = {o.entry_id: seq_id for seq_id, o in self.owners.items()}
+        dropped = [by_entry[e] for e in lost if e in by_entry]
+        for seq_id in dropped:
+            self.core.abort(seq_id)  # no event, no ack: the request is the peer's now
+            del self.owners[seq_id]
+            self.metrics.forget(seq_id)
+        if dropped:
+            log.warning(
+                "a peer took over %d of this scheduler's requests (it stalled); dropped", len(dropped)
+            )
+            self.num_lost_to_peers += len(dropped)
+            self._room_changed = True
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
@@ -240,15 +290,16 @@ class SchedulerService:
         """Periodic work (discovery, take-over, stats) when due, then what the readers handed over;
         returns the seconds until the next periodic task (a hand-over or a result ends it sooner)."""
         now = time.monotonic()
+        self._drop_lost()
         self._periodic(now)
-        self._fail_if_no_worker(now)
+        scheduler_drain.serve_if_no_worker(self, now)
         self._apply_inbox()
         due = min(self._last_discovery + DISCOVERY_INTERVAL_S, self._last_stats + STATS_INTERVAL_S)
         return max(0.0, due - time.monotonic())
 
     def send(self, events: list[TokenEvent]) -> None:
         """Publish a poll's events to their gateways, record its stats and its CPU per worker-step."""
-        self._publish_events(events)
+        self.publish_events(events)
         self.metrics.record(self.core.make_stats())  # the events since the last record
         cpu = time.process_time()  # the process's CPU since the last worker-steps, spread over these
         self.stats_cpu(cpu - self._cpu0, self.core.num_completions)
@@ -271,14 +322,14 @@ class SchedulerService:
         if now - self._last_claim >= CLAIM_INTERVAL_S:
             self._last_claim = now
             if self.room() > 0:
-                commands.append(redis_io.claim_command(self.consumer, min(100, self.room())))
+                commands.append(self._claim_command())
                 then.append(self.claim_orphans)
         if now - self._last_trim >= CONTROL_TRIM_INTERVAL_S:
             commands.append(redis_io.trim_control_command())
             then.append(redis_io.raise_first_error_of)
             self._last_trim = now
         if now - self._last_stats >= STATS_INTERVAL_S:
-            commands.append(self._stats_command())
+            commands.append(scheduler_metrics.stats_command(self))
             then.append(redis_io.raise_first_error_of)
             self._last_stats = now
         for handle, reply in zip(then, self.conn.call(commands), strict=True):
@@ -294,58 +345,6 @@ class SchedulerService:
         self.core.stats.add_cpu(seconds, num_steps)
         for _ in range(num_steps):
             self.metrics.cpu_per_step.observe(seconds / num_steps)
-
-    def _stats_command(self) -> tuple:
-        """The ``SET`` of this scheduler's stats record (``messages.scheduler_stats_key``); sets the
-        queue-depth and running gauges."""
-        record = self.core.make_stats()
-        self.metrics.record(record)
-        waiting, running = record.num_waiting, record.num_running
-        workers = {
-            name: {
-                "admitted": w.num_admitted,
-                "running": w.num_running,
-                "free_blocks": w.num_free_blocks,
-                "num_blocks": w.num_blocks,
-            }
-            for name, w in record.workers.items()
-        }
-        cpu50, cpu99 = self.core.stats.cpu_per_step_ms()
-        idle50, idle99 = self.core.stats.idle_ms()
-        stats = {
-            "waiting": waiting,
-            "running": running,
-            "time": time.time(),
-            "workers": workers,
-            "worker_steps": record.num_worker_steps,
-            "cpu_ms_per_worker_step": {"p50": cpu50, "p99": cpu99},
-            "worker_idle_ms": {"p50": idle50, "p99": idle99},
-            "surplus_tokens": record.num_surplus_tokens,
-            "scheduler": self.consumer,
-            "pid": os.getpid(),
-            "taken_over": self.num_taken_over,
-            "metrics_port": self.metrics.port,
-            "metrics_host": socket.gethostname(),
-        }
-        self.metrics.queue_depth.set(waiting)  # the gauges; ``record`` counted the events
-        self.metrics.running.set(running)
-        # its own record: readers add the schedulers' records up (``messages.read_scheduler_stats``)
-        return ("SET", messages.scheduler_stats_key(self.consumer), json.dumps(stats), "EX", 10)
-
-    def _fail_if_no_worker(self, now: float) -> None:
-        """Requests waiting while no worker has been alive for ``NO_WORKER_GRACE_S`` fail with a 503."""
-        if self.scheduler.slots or not self.scheduler.waiting:
-            self._no_worker_since = None
-            return
-        if self._no_worker_since is None:
-            self._no_worker_since = now
-        elif now - self._no_worker_since >= messages.NO_WORKER_GRACE_S:
-            log.error(
-                "no worker for %.0f s: failing %d waiting requests",
-                now - self._no_worker_since,
-                len(self.scheduler.waiting),
-            )
-            self._publish_events(self.scheduler.fail_waiting("no worker is available", 503))
 
     def close(self) -> None:
         """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished requests
@@ -390,7 +389,8 @@ class SchedulerService:
 def run_scheduler(args: argparse.Namespace) -> int:
     """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain and exit."""
     config = from_cli_args(EngineConfig, args)  # the engine options the scheduler offers
-    service = SchedulerService(args.redis_url, config, metrics_port=args.metrics_port)
+    timings = messages.LeaseTimings(args.lease_ttl)
+    service = SchedulerService(args.redis_url, config, metrics_port=args.metrics_port, timings=timings)
     stop = threading.Event()
     watched = (service, DrainSignal(args.drain_timeout).install(), stop)
     threading.Thread(target=scheduler_drain.watch, args=watched, name="drain", daemon=True).start()
