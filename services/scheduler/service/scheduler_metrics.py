@@ -242,9 +242,12 @@ class SchedulerMetrics:
         for idle in stats.new_idle_s:
             self.worker_idle.observe(idle)
 
-    def observe_budget(self, worker: str, token_budget: int, _num_tokens: int) -> None:
-        """The budget chosen for one planned pass (``Scheduler.pass_observers``)."""
-        self._child(self._chosen_budget, worker).observe(token_budget)
+    def observe_budget(self, worker: str, token_budget: int, num_tokens: int) -> None:
+        """The budget chosen for one planned pass (``Scheduler.pass_observers``). A plan that only
+        frees blocks (``num_tokens`` 0) is not a pass: ``fuseserve_iteration_tokens_total`` skips it
+        too, so the two histograms count the same passes and their ``_sum`` ratio is pass fullness."""
+        if num_tokens:
+            self._child(self._chosen_budget, worker).observe(token_budget)
 
     def note_arrival(self, seq_id: int) -> None:
         """A sequence entered the queue now (not for one taken over from a dead scheduler: its
