@@ -30,10 +30,12 @@ import grpc
 
 from fuseserve import messages
 from fuseserve.drain_signal import DrainSignal
+from fuseserve.errors import InvalidBlockError, SchedulerError
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
 from fuseserve.types import StepPlan
+from fuseserve.worker import kv_migration
 from fuseserve.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: seconds a plan waits for its predecessor (a lower step_id) before it runs anyway
 ORDER_WAIT_S = 5.0
+#: seconds a migration's transfer to the destination may take
+MIGRATE_TIMEOUT_S = 120.0
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -213,6 +217,65 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self._last_end = None
                 self._lock.notify_all()
             return pb.FreeResponse(num_free_blocks=self.runner.num_free_blocks, fence=self.fence)
+
+    def Migrate(self, request, context):
+        """Move sequences to ``request.dest_address`` (``kv_migration``): snapshot them under the lock
+        (no pass runs meanwhile), stream them to the destination's ``ImportSeqs``, drop those it took."""
+        with self._lock:
+            if request.fence < self.fence:
+                self._count_fenced()
+                return pb.MigrateResponse(fenced=True, error=f"fence {request.fence} is below {self.fence}")
+            snaps, errors = [], []
+            for move in request.moves:
+                try:
+                    if not hasattr(self.runner, "export_seq"):
+                        raise SchedulerError(f"{type(self.runner).__name__} does not migrate sequences")
+                    snaps.append((self.runner.export_seq(move.seq_id), list(move.dest_block_ids)))
+                except SchedulerError as e:
+                    errors.append(str(e))
+        start = time.perf_counter()
+        parts = (p for snap, ids in snaps for p in kv_migration.to_parts(snap, ids, request.dest_fence))
+        moved: list[int] = []
+        if snaps:
+            try:
+                with grpc.insecure_channel(request.dest_address, options=convert.GRPC_OPTIONS) as channel:
+                    answer = pb_grpc.WorkerStub(channel).ImportSeqs(parts, timeout=MIGRATE_TIMEOUT_S)
+                moved = list(answer.seq_ids)
+                if answer.error or answer.fenced:
+                    errors.append(answer.error or "the destination refused the fence")
+            except grpc.RpcError as e:
+                errors.append(f"destination {request.dest_address}: {e.code().name}")
+        with self._lock:
+            self.runner.free(moved)
+        num_bytes = sum(snap.num_bytes for snap, _ in snaps if snap.seq_id in set(moved))
+        seconds = time.perf_counter() - start
+        log.info(
+            "migrated %d sequences (%.1f MB in %.3f s) to %s",
+            len(moved),
+            num_bytes / 1e6,
+            seconds,
+            request.dest_address,
+        )
+        return pb.MigrateResponse(
+            moved_seq_ids=moved, num_bytes=num_bytes, seconds=seconds, error="; ".join(errors)
+        )
+
+    def ImportSeqs(self, request_iterator, context):
+        """Take the sequences a source worker streams here (``kv_migration.from_parts``), each into the
+        blocks the scheduler reserved, under the lock; stops at the first one refused."""
+        taken: list[int] = []
+        layout = kv_migration.cache_layout(self.runner)
+        try:
+            for snap, block_ids, fence in kv_migration.from_parts(request_iterator, *layout):
+                with self._lock:
+                    if fence < self.fence:
+                        self._count_fenced()
+                        return pb.ImportResponse(seq_ids=taken, fenced=True)
+                    self.runner.import_seq(snap, block_ids)
+                taken.append(snap.seq_id)
+        except (SchedulerError, InvalidBlockError) as e:
+            return pb.ImportResponse(seq_ids=taken, error=str(e))
+        return pb.ImportResponse(seq_ids=taken)
 
     def Health(self, request, context):
         return pb.HealthResponse(
