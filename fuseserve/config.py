@@ -151,6 +151,7 @@ instead of dequantizing them to float32. A Hugging Face checkpoint's own ``quant
 
 # KV cache storage: auto = the model's dtype; fp8 = e4m3 with per-tensor scales (kernels/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8")
+MIGRATIONS = ("drain", "off")  # KV migration (services/scheduler/migration.py)
 _ALL = ("generate", "serve", "scheduler", "worker")
 _RUNNER = ("generate", "serve", "worker")  # the model runner's options
 _PLANNER = ("generate", "serve", "scheduler")  # the scheduler's alone
@@ -183,6 +184,8 @@ class EngineConfig:
         (``services/worker/tensor_parallel.py``).
     overlap: build and send each worker's next plan while its current pass runs (at most one plan
         queued per worker); False runs one plan at a time per worker.
+    migration: "drain" moves a draining worker's decoding sequences to other workers with their K/V
+        (``services/scheduler/migration.py``); "off" lets them finish there.
     enable_prefix_caching: reuse the K/V of full blocks already computed for an equal prefix
         (``services/scheduler/block_accounting.py``); keyword ``prefix_caching``, flag
         ``--no-prefix-caching``.
@@ -275,6 +278,13 @@ class EngineConfig:
             "scheduler": "send a worker its next plan only after its current result (default: overlap)"
         },
     )
+    migration: str = option(
+        "drain",
+        "KV migration: 'drain' moves a draining worker's decoding sequences, with their KV cache, to "
+        "other workers instead of letting them finish there; 'off' (default: %(default)s)",
+        commands=_STACK,
+        choices=MIGRATIONS,
+    )
     enable_prefix_caching: bool = option(
         True,
         "compute every prompt from its first token (default: reuse the KV of cached prefixes)",
@@ -317,6 +327,8 @@ class EngineConfig:
             raise InvalidParameterError("block_size", self.block_size, ">= 1")
         if self.policy not in POLICIES:
             raise InvalidParameterError("policy", self.policy, ", ".join(POLICIES))
+        if self.migration not in MIGRATIONS:
+            raise InvalidParameterError("migration", self.migration, ", ".join(MIGRATIONS))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidParameterError(
                 "attention_backend", self.attention_backend, ", ".join(ATTENTION_BACKENDS)

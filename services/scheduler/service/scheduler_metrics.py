@@ -290,6 +290,7 @@ def stats_command(service) -> tuple:
     ``SchedulerService``; sets its queue-depth and running gauges."""
     record = service.core.make_stats()
     service.metrics.record(record)
+    totals = service.scheduler.totals()
     waiting, running = record.num_waiting, record.num_running
     workers = {
         name: {
@@ -314,6 +315,9 @@ def stats_command(service) -> tuple:
         "scheduler": service.consumer,
         "pid": os.getpid(),
         "taken_over": service.num_taken_over,
+        "migrated": totals.num_migrated,
+        "migrated_bytes": totals.num_migrated_bytes,
+        "recomputed_tokens": totals.num_recomputed_tokens,
         "lost_to_peers": service.num_lost_to_peers,
         "handed_over": service.num_handed_over,
         "fenced_workers": service.leases.num_fenced,
