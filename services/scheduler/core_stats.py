@@ -131,6 +131,7 @@ class SchedulerCounters:
     num_recomputed_tokens: int = 0
     num_migrated: int = 0
     num_migrated_bytes: int = 0
+    migration_seconds: float = 0.0  # wall seconds of the migrations' transfers (source to destination)
 
     def add(self, other: SchedulerCounters) -> None:
         """Add ``other``'s counts to these."""

@@ -131,6 +131,7 @@ class Migrations:
                 self.registry.touched.add(dst.name)
         if not isinstance(result, Exception):
             self.counters.num_migrated_bytes += result.num_bytes
+            self.counters.migration_seconds += result.seconds
         left = self.pending.get(order.source, 1) - 1
         self.pending[order.source] = left
         if left <= 0 and src is not None:

@@ -318,6 +318,7 @@ def stats_command(service) -> tuple:
         "migrated": totals.num_migrated,
         "migrated_bytes": totals.num_migrated_bytes,
         "recomputed_tokens": totals.num_recomputed_tokens,
+        "migration_seconds": totals.migration_seconds,
         "lost_to_peers": service.num_lost_to_peers,
         "handed_over": service.num_handed_over,
         "fenced_workers": service.leases.num_fenced,
