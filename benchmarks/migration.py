@@ -78,17 +78,20 @@ def disturbed(server, prompts, max_tokens) -> dict:
         worker.wait(timeout=120)
         info["exit_s"] = time.monotonic() - info["t0"]
 
+    time.sleep(2.0)  # the scheduler writes its stats record every second: read one made after the last run
     before = wait_for(lambda: stats_of_live_schedulers(server.stack), 30, "the scheduler's stats")[0]
     texts, stamps = run(server.url, prompts, max_tokens, sigterm)
     gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if b >= info["t0"]]
+    time.sleep(2.0)
     stats = wait_for(lambda: stats_of_live_schedulers(server.stack), 30, "the scheduler's stats")[0]
     return {
         "texts": texts,
         "exit_s": info["exit_s"],
         "itl_p99_s": float(np.percentile(gaps, 99)),
         "itl_max_s": max(gaps),
+        # the scheduler's totals less those of the runs before this one
         **{
-            k: stats.get(k, 0)
+            k: stats.get(k, 0) - before.get(k, 0)
             for k in ("recomputed_tokens", "migrated", "migrated_bytes", "migration_seconds")
         },
     }

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
+from fuseserve.config import EngineConfig
+from fuseserve.device import parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import KVCacheTooSmallError
 from fuseserve.kernels.kv_quant import kv_cache_dtype
 from fuseserve.model_source import quantization_method

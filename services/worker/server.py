@@ -314,7 +314,7 @@ def simulated_runner(args: argparse.Namespace):
     The model name is ``--model`` as given (the gateway serves that model's tokenizer). Raises
     ``InvalidParameterError`` for an unknown preset or a slowdown that is not > 0.
     """
-    from fuseserve.config import parse_memory
+    from fuseserve.device import parse_memory
     from fuseserve.errors import InvalidParameterError
     from fuseserve.worker.latency_model import get_preset
     from fuseserve.worker.sim_runner import SimulatedRunner
