@@ -27,7 +27,6 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from fuseserve.config import EngineConfig
@@ -36,6 +35,7 @@ from fuseserve.scheduler.core_stats import CoreStats, SchedulerStats, WorkerStat
 from fuseserve.scheduler.migration import MigrationOrder, MigrationResult
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
+from fuseserve.scheduler.worker_lane import WorkerLane
 from fuseserve.scheduler.worker_slot import MigrationPhase
 from fuseserve.types import StepPlan, StepResult
 
@@ -49,51 +49,6 @@ class WorkerHandle(Protocol):
     ``WorkerLostError`` when the worker is gone, anything else when it rejected the plan)."""
 
     def step(self, plan: StepPlan) -> StepResult: ...
-
-
-class _Lane:
-    """Carries one worker's plans out in order and its results into the core's completion queue.
-
-    A handle with ``send(plan, on_result)`` (the gRPC client) takes the plan and calls back from its
-    own thread; one with only ``step(plan)`` runs on the lane's thread, or inline when not threaded.
-    The lane keeps no handle: ``submit`` is given the registry's with each plan.
-    """
-
-    def __init__(self, name: str, sends: bool, done: queue.SimpleQueue, threaded: bool, waiter=None):
-        self.name = name
-        self._sends = sends  # the worker's handle has ``send``
-        self._done = done
-        self._waiter = waiter
-        self.results: dict[int, StepResult | Exception] = {}  # arrived, waiting for older plans
-        self._pool = None
-        if not sends and threaded:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{name}")
-
-    def submit(self, handle, plan: StepPlan) -> None:
-        """Send ``plan`` through ``handle`` (the worker's, from the registry)."""
-        if self._sends:
-            handle.send(plan, self._put)
-        elif self._pool is not None:
-            self._pool.submit(self._run, handle, plan)
-        else:
-            self._run(handle, plan)
-
-    def _run(self, handle, plan: StepPlan) -> None:
-        try:
-            result: StepResult | Exception = handle.step(plan)
-        except Exception as e:  # a lost worker must not take the core down
-            result = e
-        self._done.put((self, plan.step_id, result))
-
-    def _put(self, step_id: int, result: StepResult | Exception) -> None:
-        self._done.put((self, step_id, result))
-        if self._waiter is not None:
-            self._waiter.wake()
-
-    def close(self) -> None:
-        """Drop plans not started; wait for the one running (a thread must not die inside a pass)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _num_passes(result: StepResult | Exception) -> int:
@@ -126,7 +81,7 @@ class EngineCore:
         self._num_idle_reported = 0  # idle times ``make_stats`` has returned so far
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._migrated: queue.SimpleQueue = queue.SimpleQueue()  # (order, answer) of KV migrations
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, WorkerLane] = {}
         self.lost: dict[str, WorkerHandle] = {}  # handles of workers dropped as lost, until ``take_lost``
         self._dispatch_all = False
         self.last_plans: dict[str, StepPlan] = {}  # plans sent by the last ``step`` / ``poll``
@@ -159,7 +114,7 @@ class EngineCore:
         self.scheduler.add_worker(
             name, num_blocks, block_size, max_model_len, token_budget, handle, latency_prior
         )
-        self._lanes[name] = _Lane(name, hasattr(handle, "send"), self._done, threaded, self.waiter)
+        self._lanes[name] = WorkerLane(name, hasattr(handle, "send"), self._done, threaded, self.waiter)
         self._dispatch_all = True
 
     def remove_worker(self, name: str) -> list[Sequence]:
@@ -299,7 +254,7 @@ class EngineCore:
                 self._arrived(self._done.get())
         return events
 
-    def _arrived(self, item) -> _Lane | None:
+    def _arrived(self, item) -> WorkerLane | None:
         """Keep a result that came back; returns its lane, or None (a wakeup, a removed worker's answer)."""
         if item is _WAKE:
             return None
@@ -309,7 +264,7 @@ class EngineCore:
         lane.results[step_id] = result
         return lane
 
-    def _apply_ready(self, lane: _Lane, limit: int | None, out: list[TokenEvent]) -> bool:
+    def _apply_ready(self, lane: WorkerLane, limit: int | None, out: list[TokenEvent]) -> bool:
         """Apply ``lane``'s arrived results in step order, at most ``limit``; True when one was applied.
 
         Without a limit (``poll``) the worker's next plan goes out right after each result.
@@ -331,7 +286,7 @@ class EngineCore:
                 self.scheduler.touched.add(lane.name)
         return applied > 0
 
-    def _apply(self, lane: _Lane, result: StepResult | Exception) -> list[TokenEvent]:
+    def _apply(self, lane: WorkerLane, result: StepResult | Exception) -> list[TokenEvent]:
         name = lane.name
         if isinstance(result, Exception):
             if isinstance(result, WorkerLostError):
