@@ -104,6 +104,17 @@ class WorkerLostError(FuseServeError):
     """A worker cannot be reached (process gone, network down); its sequences recompute elsewhere."""
 
 
+class WorkerFencedError(WorkerLostError):
+    """The worker refused a plan or a free for a stale fencing token: another scheduler took its lease
+    over. Lost to this scheduler (it stops driving the worker); the worker itself lives on.
+
+    fence: the highest fencing token the worker has seen."""
+
+    def __init__(self, message: str, fence: int = 0):
+        super().__init__(message)
+        self.fence = fence
+
+
 class NoWorkerError(FuseServeError):
     """No live worker can take the request."""
 

@@ -28,15 +28,22 @@ Keys and streams (all JSON in a single ``data`` field):
 
 Several schedulers share the consumer group:
 
-- ``scheduler_live_key(consumer)``: a scheduler's liveness, refreshed every ``HEARTBEAT_S`` with a
-  TTL of ``SCHEDULER_TTL_S``. The number of such keys is the number of live schedulers.
+- Their timings are one ``LeaseTimings`` (``fuseserve scheduler --lease-ttl``; every scheduler of a
+  deployment uses the same): a lease lives ``ttl_s``, the heartbeat renews it every ``beat_s``.
+- ``scheduler_live_key(consumer)``: a scheduler's liveness, refreshed every ``beat_s`` with a TTL of
+  ``ttl_s``. The number of such keys is the number of live schedulers.
 - ``worker_lease_key(worker_id)``: the consumer name of the scheduler that drives the worker, set
-  with ``SET NX`` and renewed with the heartbeat (TTL ``SCHEDULER_TTL_S``). A scheduler claims
-  unleased workers up to its share (workers / live schedulers, rounded up); a dead scheduler's
-  leases expire and a live one claims its workers (``Free(all)`` first).
-- A live scheduler re-delivers its pending entries to itself every ``HEARTBEAT_S`` (XCLAIM, which
-  resets their idle time); an entry idle for ``CLAIM_IDLE_MS`` therefore belongs to a dead
-  scheduler, and a scheduler with room takes it over with XAUTOCLAIM.
+  with ``SET NX`` and renewed with the heartbeat (TTL ``ttl_s``). A scheduler claims unleased workers
+  up to its share (workers / live schedulers, rounded up); a dead scheduler's leases expire and a
+  live one claims its workers (``Free(all)`` first). Taking a lease takes a **fencing token**
+  (``INCR`` of ``worker_fence_key(worker_id)``); every plan and free carries it, and the worker
+  refuses those below the highest it has seen: a scheduler that stalled past its lease cannot act.
+- A live scheduler re-delivers its pending entries to itself every ``beat_s`` (XCLAIM, which resets
+  their idle time), only those still its own (a peer may have claimed some while it stalled: it
+  drops those); an entry idle for ``claim_idle_ms`` therefore belongs to a dead or stalled
+  scheduler, and a scheduler with room takes it over with XAUTOCLAIM. The entry's delivery count
+  is the request's fence: its token events carry it and the gateway drops those of a lower one
+  (``scheduler/service/request_claims.py``).
 
 Graceful drain (SIGTERM, ``--drain-timeout``, default ``DRAIN_TIMEOUT_S``):
 
@@ -57,6 +64,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+from fuseserve.errors import InvalidParameterError
 from fuseserve.types import TokenEvent
 
 PREFIX = "fuseserve"
@@ -66,22 +74,59 @@ CONTROL = f"{PREFIX}:control"
 SEQ_COUNTER = f"{PREFIX}:seq_counter"
 SCHEDULER_STATS = f"{PREFIX}:scheduler:stats"  # prefix of the schedulers' stats keys
 SCHEDULER_HEARTBEAT = f"{PREFIX}:scheduler:heartbeat"
-SCHEDULER_TTL_S = 5  # seconds the heartbeat key lives without a refresh
+SCHEDULER_TTL_S = 5  # seconds the gateways' heartbeat key lives without a refresh
 SCHEDULER_GRACE_S = 30.0  # seconds without a scheduler before in-flight requests fail
 NO_WORKER_GRACE_S = 30.0  # seconds a sequence may wait with no live worker before it fails
 WORKER_PREFIX = f"{PREFIX}:worker:"
 WORKER_TTL_S = 6  # seconds a worker record lives without a heartbeat
-HEARTBEAT_S = 2  # seconds between heartbeats
-#: a pending request entry idle this long belongs to a dead scheduler (live ones re-claim theirs
-#: every HEARTBEAT_S)
-CLAIM_IDLE_MS = int((SCHEDULER_TTL_S + 2) * 1000)
+HEARTBEAT_S = 2  # seconds between a worker's heartbeats
+#: seconds a scheduler's worker leases and liveness key live without a renewal (the default; chosen
+#: by measurement, ``benchmarks/takeover.py``: a SIGKILLed scheduler's workers are driven by a peer
+#: within 2 s)
+LEASE_TTL_S = 1.5
+#: heartbeats per lease TTL: a lease is lost only after this many beats in a row were missed
+BEATS_PER_TTL = 5
 RESPONSE_STREAM_MAXLEN = 100_000
 DRAIN_TIMEOUT_S = 30.0  # default seconds a draining worker or scheduler may finish its sequences in
 #: seconds a draining worker waits after its notice before it may exit (schedulers discover workers
 #: every 0.5 s, so none places a sequence on it after this)
 DRAIN_NOTICE_S = 1.5
-#: the idle time a draining scheduler gives its pending entries: past CLAIM_IDLE_MS, claimable at once
-HANDBACK_IDLE_MS = 10 * CLAIM_IDLE_MS
+
+
+@dataclass(frozen=True)
+class LeaseTimings:
+    """How fast a dead or stalled scheduler's workers and requests change hands.
+
+    ttl_s: seconds a worker lease and a scheduler's liveness key live without a renewal; a pending
+        request entry idle this long is claimed by a peer.
+    """
+
+    ttl_s: float = LEASE_TTL_S
+
+    def __post_init__(self):
+        if not self.ttl_s > 0:
+            raise InvalidParameterError("lease_ttl", self.ttl_s, "> 0 seconds")
+
+    @property
+    def beat_s(self) -> float:
+        """Seconds between the scheduler's heartbeats (renewals, touches)."""
+        return self.ttl_s / BEATS_PER_TTL
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    @property
+    def claim_idle_ms(self) -> int:
+        """Milliseconds a pending request entry must be idle before a peer claims it."""
+        return self.ttl_ms
+
+
+#: a pending request entry idle this long belongs to a dead scheduler under the default timings
+CLAIM_IDLE_MS = LeaseTimings().claim_idle_ms
+#: the idle time a draining scheduler gives its pending entries: claimable at once under any
+#: timings up to a minute
+HANDBACK_IDLE_MS = 60_000
 
 
 def responses_stream(gateway_id: str) -> str:
@@ -97,8 +142,13 @@ def worker_lease_key(worker_id: str) -> str:
     return f"{PREFIX}:lease:{worker_id}"
 
 
+def worker_fence_key(worker_id: str) -> str:
+    """The counter whose ``INCR`` gives the fencing token of each new lease on ``worker_id``."""
+    return f"{PREFIX}:fence:{worker_id}"
+
+
 def scheduler_live_key(consumer: str) -> str:
-    """A scheduler's liveness key (TTL ``SCHEDULER_TTL_S``)."""
+    """A scheduler's liveness key (TTL ``LeaseTimings.ttl_s``)."""
     return f"{PREFIX}:scheduler:live:{consumer}"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fuseserve.config import API_KEY_ENV, DEFAULT_MODEL, EngineConfig, RequestLimits
-from fuseserve.messages import DRAIN_TIMEOUT_S
+from fuseserve.messages import DRAIN_TIMEOUT_S, LEASE_TTL_S
 from fuseserve.options import option
 from fuseserve.worker.latency_model import PRESETS
 
@@ -30,7 +30,8 @@ class ServeOptions:
     end. workers, schedulers: processes; threads: torch threads per worker (None: cores / workers).
     host, port: the gateway's. simulate, simulate_slowdown: simulated workers
     (``services/worker/sim_runner.py``) and their factors, cycled over the workers. drain_timeout:
-    seconds the children get to finish on SIGTERM. api_key (handed over in ``$FUSESERVE_API_KEY``),
+    seconds the children get to finish on SIGTERM. lease_ttl: seconds a scheduler's worker leases live
+    without a heartbeat (``messages.LeaseTimings``). api_key (handed over in ``$FUSESERVE_API_KEY``),
     api_key_file, protect_metrics, limits: the gateway's guards. log_level: every child's.
     """
 
@@ -116,6 +117,14 @@ class ServeOptions:
                 "left then recompute on other workers"
             ),
         },
+        metavar="SECONDS",
+    )
+    lease_ttl: float = option(
+        LEASE_TTL_S,
+        "seconds a scheduler's worker leases and liveness live without its heartbeat (5 a TTL); a "
+        "peer takes over a dead or stalled scheduler's workers and requests after this; every "
+        "scheduler of a deployment must use the same (default: %(default)g)",
+        commands=("serve", "scheduler"),
         metavar="SECONDS",
     )
     api_key: str | None = option(

@@ -145,6 +145,9 @@ class TokenEvent:
     positions already sent.
     cached_tokens: on the first token's event (index 0), the prompt tokens found in the prefix cache
         (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); 0 on every other event.
+    fence: the request's fencing token in the persistent stack (its Redis entry's delivery count
+        once a scheduler took it over from another; 0 before). The gateway drops events whose fence
+        is below one it has seen for the request: they come from a scheduler it was taken from.
     """
 
     seq_id: int
@@ -157,6 +160,7 @@ class TokenEvent:
     prompt_logprobs: PromptLogprobs | None = None
     cached_tokens: int = 0
     error_type: str | None = None
+    fence: int = 0
 
     def error_info(self) -> dict | None:
         """The error as the gateway reports it: ``{"message", "type", "status"}``, or None."""
@@ -173,7 +177,7 @@ class TokenEvent:
         ``{"seq_id", "index", "token_id"}`` for a plain token, the other fields only when they are
         not at their default (``logprob``, ``top_logprobs`` ``[[token_id, logprob], ...]``, ``hidden``,
         ``finish_reason`` as its string, ``cached_tokens``, ``prompt_logprobs`` ``{"start_pos",
-        "logprobs", "top"}``, ``error`` as ``error_info()``). Built straight from the fields: it runs
+        "logprobs", "top"}``, ``error`` as ``error_info()``, ``fence``). Built straight from the fields: it runs
         once per token on the scheduler's loop."""
         tok = self.token
         if tok is None:
@@ -198,6 +202,8 @@ class TokenEvent:
             wire["prompt_logprobs"] = {"start_pos": p.start_pos, "logprobs": list(p.logprobs), "top": top}
         if self.error is not None:
             wire["error"] = self.error_info()
+        if self.fence:
+            wire["fence"] = self.fence
         return wire
 
     @classmethod
@@ -228,6 +234,7 @@ class TokenEvent:
             prompt_logprobs=prompt,
             cached_tokens=wire.get("cached_tokens", 0),
             error_type=None if kind == _status_type(status) else kind,  # None: the status's own
+            fence=wire.get("fence", 0),
         )
 
 

@@ -12,9 +12,11 @@ class StepFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OK: _ClassVar[StepFailure]
     STEP_REJECTED: _ClassVar[StepFailure]
     STEP_STALE: _ClassVar[StepFailure]
+    STEP_FENCED: _ClassVar[StepFailure]
 STEP_OK: StepFailure
 STEP_REJECTED: StepFailure
 STEP_STALE: StepFailure
+STEP_FENCED: StepFailure
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -120,16 +122,18 @@ class SeqChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "chunks", "free_seq_ids", "num_passes")
+    __slots__ = ("step_id", "chunks", "free_seq_ids", "num_passes", "fence")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PASSES_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
     free_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_passes: int
-    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., num_passes: _Optional[int] = ...) -> None: ...
+    fence: int
+    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., num_passes: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -152,7 +156,7 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "tokens", "forward_seconds", "num_free_blocks", "idle_seconds", "prompt_logprobs", "failure", "error", "num_passes")
+    __slots__ = ("step_id", "tokens", "forward_seconds", "num_free_blocks", "idle_seconds", "prompt_logprobs", "failure", "error", "num_passes", "fence")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +166,7 @@ class StepResponse(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_PASSES_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_seconds: float
@@ -171,7 +176,8 @@ class StepResponse(_message.Message):
     failure: StepFailure
     error: str
     num_passes: int
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failure: _Optional[_Union[StepFailure, str]] = ..., error: _Optional[str] = ..., num_passes: _Optional[int] = ...) -> None: ...
+    fence: int
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failure: _Optional[_Union[StepFailure, str]] = ..., error: _Optional[str] = ..., num_passes: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "start_pos", "logprobs", "top")
@@ -192,29 +198,125 @@ class TopLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("seq_ids", "all")
+    __slots__ = ("seq_ids", "all", "fence")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     ALL_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     all: bool
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ...) -> None: ...
+    fence: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
-    __slots__ = ("num_free_blocks",)
+    __slots__ = ("num_free_blocks", "fenced", "fence")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
-    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
+    fenced: bool
+    fence: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., fenced: _Optional[bool] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "num_free_blocks", "num_running_seqs")
+    __slots__ = ("ok", "num_free_blocks", "num_running_seqs", "num_fenced", "fence")
     OK_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FENCED_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     num_free_blocks: int
     num_running_seqs: int
-    def __init__(self, ok: _Optional[bool] = ..., num_free_blocks: _Optional[int] = ..., num_running_seqs: _Optional[int] = ...) -> None: ...
+    num_fenced: int
+    fence: int
+    def __init__(self, ok: _Optional[bool] = ..., num_free_blocks: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., num_fenced: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
+
+class SeqMove(_message.Message):
+    __slots__ = ("seq_id", "dest_block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("fence", "dest_address", "dest_fence", "moves")
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    DEST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEST_FENCE_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    fence: int
+    dest_address: str
+    dest_fence: int
+    moves: _containers.RepeatedCompositeFieldContainer[SeqMove]
+    def __init__(self, fence: _Optional[int] = ..., dest_address: _Optional[str] = ..., dest_fence: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[SeqMove, _Mapping]]] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("moved_seq_ids", "num_bytes", "seconds", "error", "fenced")
+    MOVED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
+    moved_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_bytes: int
+    seconds: float
+    error: str
+    fenced: bool
+    def __init__(self, moved_seq_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., fenced: _Optional[bool] = ...) -> None: ...
+
+class SeqState(_message.Message):
+    __slots__ = ("seq_id", "num_computed", "last_token", "prompt_len", "prompt_token_ids", "output_token_ids", "params", "block_ids", "kv_dtype", "runner_state")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_STATE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_computed: int
+    last_token: int
+    prompt_len: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_dtype: str
+    runner_state: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed: _Optional[int] = ..., last_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., runner_state: _Optional[bytes] = ...) -> None: ...
+
+class KVPart(_message.Message):
+    __slots__ = ("fence", "state", "seq_id", "layer", "k", "v", "last")
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    fence: int
+    state: SeqState
+    seq_id: int
+    layer: int
+    k: bytes
+    v: bytes
+    last: bool
+    def __init__(self, fence: _Optional[int] = ..., state: _Optional[_Union[SeqState, _Mapping]] = ..., seq_id: _Optional[int] = ..., layer: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class ImportResponse(_message.Message):
+    __slots__ = ("seq_ids", "fenced", "error")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    fenced: bool
+    error: str
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., fenced: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...

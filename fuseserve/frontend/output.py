@@ -82,6 +82,7 @@ class OutputState:
         self.visible: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.next_index = 0
+        self.fence = 0  # the highest fence of the events applied (a lower one: a fenced-off scheduler's)
         self.finish_reason: str | None = None
         self.error: Any = None
         self.cached_tokens = 0
@@ -108,7 +109,9 @@ class OutputState:
         """Add one engine event to ``delta``; True when it carried a new token (False: duplicate or none).
 
         ``ev.index``: the token's position in the output (-1: unknown); an index already seen is a
-        duplicate (a restarted scheduler resends) and ignored. ``ev.error`` finishes the sequence with
+        duplicate (a restarted scheduler resends) and ignored. ``ev.fence``: an event below the highest
+        fence applied comes from a scheduler the request was taken from, and is ignored whole (a
+        stalled scheduler's late tokens or errors). ``ev.error`` finishes the sequence with
         "error" (``self.error``: ``ev.error_info()``). ``ev.prompt_logprobs``: prompt-token logprobs,
         kept one per position. ``ev.cached_tokens``: on the first token's event (index 0), the prompt
         tokens served from the prefix cache.
@@ -120,8 +123,9 @@ class OutputState:
         cached_tokens = ev.cached_tokens if index == 0 else None
         error = ev.error_info()
         finish_reason = ev.finish_reason.value if ev.finish_reason is not None else None
-        if self.finished:
+        if self.finished or ev.fence < self.fence:
             return False
+        self.fence = ev.fence
         if prompt_logprobs is not None:
             self._add_prompt_logprobs(prompt_logprobs)
         new_token = False

@@ -94,11 +94,18 @@ def error_for(exc: FuseServeError) -> dict:
     return error_body(str(exc), exc.error_type, getattr(exc, "param", None), code)
 
 
+#: seconds a client is told to wait (``Retry-After``) after a 503: no worker or no scheduler now
+UNAVAILABLE_RETRY_AFTER_S = 5
+
+
 def error_response(exc: FuseServeError) -> JSONResponse:
-    """The HTTP answer to a typed error (``Retry-After`` for a full queue)."""
+    """The HTTP answer to a typed error (``Retry-After`` for a full queue, and for a 503: no worker or
+    scheduler is available now, ``UNAVAILABLE_RETRY_AFTER_S``)."""
     headers = {}
     if isinstance(exc, QueueFullError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    elif exc.http_status == 503:
+        headers["Retry-After"] = str(UNAVAILABLE_RETRY_AFTER_S)
     return JSONResponse(error_for(exc), status_code=exc.http_status, headers=headers)
 
 

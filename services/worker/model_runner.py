@@ -14,13 +14,14 @@ import time
 
 import torch
 
-from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
+from fuseserve.config import EngineConfig
+from fuseserve.device import parse_dtype, parse_memory, resolve_device
 from fuseserve.errors import InvalidRequestError, KVCacheTooSmallError
 from fuseserve.kernels.kv_quant import kv_cache_dtype
 from fuseserve.model_source import quantization_method
 from fuseserve.structured import model_grammar_backend
 from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
-from fuseserve.worker import compiled_forward, parallel, prepacked_linear
+from fuseserve.worker import compiled_forward, kv_migration, parallel, prepacked_linear
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.compiled_forward import CompiledForward
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
@@ -185,6 +186,14 @@ class ModelRunner:
         """Drop sequences and return their blocks (unknown ids are ignored)."""
         self.seq_table.free(seq_ids)
         self.scorer.free(seq_ids)
+
+    def export_seq(self, seq_id: int):
+        """The ``kv_migration.SeqSnapshot`` of a decoding sequence (``kv_migration.export_model_seq``)."""
+        return kv_migration.export_model_seq(self, seq_id)
+
+    def import_seq(self, snap, block_ids: list[int]) -> None:
+        """Take a sequence moved from another worker into ``block_ids`` (``kv_migration.import_model_seq``)."""
+        kv_migration.import_model_seq(self, snap, block_ids)
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run ``plan``'s passes (``multi_pass_run.run_passes``; one unless ``plan.num_passes > 1``)."""

@@ -79,6 +79,16 @@ class SeqTable:
                     if self._holders[b] <= 0:
                         self._holders.pop(b, None)
 
+    def adopt(self, seq_id: int, seq: WorkerSeq) -> None:
+        """Take a sequence moved here from another worker (``kv_migration``), its table filled with
+        blocks of this pool. Raises ``InvalidBlockError`` for a block id outside the pool."""
+        bad = [b for b in seq.block_table if not 0 <= b < self.num_blocks]
+        if bad:
+            raise InvalidBlockError(f"seq {seq_id}: block ids {bad} outside [0, {self.num_blocks})")
+        self.free([seq_id])
+        self.seqs[seq_id] = seq
+        self._holders.update(seq.block_table)
+
     def admit(self, c: SeqChunk) -> tuple[WorkerSeq, list[int], list[int]]:
         """Check one chunk against the sequence's state and allocate the blocks it needs.
 

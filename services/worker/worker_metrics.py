@@ -103,6 +103,12 @@ class WorkerMetrics:
             labels,
             registry=r,
         ).labels(model_name, worker_id)
+        self.fenced = Counter(
+            "fuseserve_worker_fenced",
+            "Plans and frees refused because their scheduler's fencing token was stale (a lease taken over)",
+            labels,
+            registry=r,
+        ).labels(model_name, worker_id)
         r.register(_KVCollector(self))
         self.port: int | None = None
         if port is not None:

@@ -18,8 +18,9 @@ from fuseserve.redis_launcher import launch_redis
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.scheduler import TokenEvent
 from fuseserve.scheduler.sequence import FinishReason
-from fuseserve.scheduler.service import redis_io
+from fuseserve.scheduler.service import redis_io, request_claims
 from fuseserve.scheduler.service.redis_io import RedisInbox
+from fuseserve.scheduler.service.request_claims import RequestClaims
 from fuseserve.scheduler.service.worker_leases import WorkerLeases
 from fuseserve.types import PromptLogprobs, SampledToken, TokenLogprob
 
@@ -149,7 +150,7 @@ def test_lease_renewal_notes_a_lease_another_scheduler_took(r):
         leases.leased.add(wid)
     leases.renew()
     assert leases._lost == {"w1"}
-    assert r.pttl(messages.worker_lease_key("w0")) > 1000  # extended to SCHEDULER_TTL_S
+    assert r.pttl(messages.worker_lease_key("w0")) > 1000  # extended to the lease TTL
 
 
 #: every field a wire event may carry, at its default (a reader must take them spelled out too)
@@ -163,6 +164,7 @@ WIRE_DEFAULTS = {
     "error": None,
     "cached_tokens": 0,
     "prompt_logprobs": None,
+    "fence": 0,
 }
 
 
@@ -174,6 +176,7 @@ EVENTS = [
     TokenEvent(5, None, FinishReason.ABORT, error="no worker is available", error_status=503),
     TokenEvent(6, None, index=-1, prompt_logprobs=PromptLogprobs(6, 1, [-0.25], [[TokenLogprob(5, -0.25)]])),
     TokenEvent(7, SampledToken(7, 11), FinishReason.LENGTH, index=4),
+    TokenEvent(8, SampledToken(8, 3), index=2, fence=3),  # a request taken over twice
 ]
 
 
@@ -181,6 +184,7 @@ def test_compact_wire_decodes_to_the_same_event():
     wire = [ev.to_wire() for ev in EVENTS]
     assert wire[0] == {"seq_id": 1, "index": 0, "token_id": 42, "cached_tokens": 16}
     assert wire[1] == {"seq_id": 2, "index": 3, "token_id": 0, "logprob": 0.0}
+    assert wire[7] == {"seq_id": 8, "index": 2, "token_id": 3, "fence": 3}
     assert wire[4] == {
         "seq_id": 5,
         "finish_reason": "abort",
@@ -266,46 +270,73 @@ def test_lease_renewal_loads_a_script_redis_lost(r):
     assert not leases._lost and r.pttl(messages.worker_lease_key("w0")) > 1000
 
 
-def test_claim_command_takes_idle_entries_with_their_fields(r):
+def test_claim_command_takes_idle_entries_with_their_fields_and_delivery_counts(r):
     add_requests(r, 3)
     r.xreadgroup(messages.SCHEDULER_GROUP, "dead", {messages.REQUESTS: ">"}, count=3)
     first = r.xrange(messages.REQUESTS)[0][0]
     r.xdel(messages.REQUESTS, first)  # deleted while pending
     conn = redis_io.LoopConnection(r)
-    (reply,) = conn.call([redis_io.claim_command("sched-a", 10)])
-    assert redis_io.parse_claim(reply) == ("0-0", [])  # not idle long enough yet
-    r.xclaim(
-        messages.REQUESTS,
-        messages.SCHEDULER_GROUP,
-        "dead",
-        0,
-        [e for e, _ in r.xrange(messages.REQUESTS)] + [first],
-        idle=messages.HANDBACK_IDLE_MS,
-        justid=True,
-    )
-    (reply,) = conn.call([redis_io.claim_command("sched-a", 10)])
-    _, entries = redis_io.parse_claim(reply)
-    claimed = dict(entries)
+    claims = RequestClaims(r)
+    idle = messages.CLAIM_IDLE_MS
+    (reply,) = conn.call([claims.claim_command("sched-a", 10, idle)])
+    assert isinstance(reply, redis.exceptions.NoScriptError)  # EVALSHA before the script was loaded
+    claims.load()
+    (reply,) = conn.call([claims.claim_command("sched-a", 10, idle)])
+    assert request_claims.parse_claim(reply) == ("0-0", [])  # not idle long enough yet
     live = [e for e, _ in r.xrange(messages.REQUESTS)]
-    assert [messages.RequestMessage.decode(claimed.pop(e)).seq_id for e in live] == [1, 2]
-    assert claimed in ({}, {first: {}})  # the deleted entry: left out, or without fields
+    hand_back = dict(idle=messages.HANDBACK_IDLE_MS, justid=True)
+    r.xclaim(messages.REQUESTS, messages.SCHEDULER_GROUP, "dead", 0, [*live, first], **hand_back)
+    (reply,) = conn.call([claims.claim_command("sched-a", 10, idle)])
+    _, entries = request_claims.parse_claim(reply)
+    claimed = {e: (fields, count) for e, fields, count in entries}
+    assert [messages.RequestMessage.decode(claimed.pop(e)[0]).seq_id for e in live] == [1, 2]
+    assert claimed in ({}, {first: ({}, 0)})  # the deleted entry: left out, or without fields
+    # a second takeover: the delivery count (the request's fence) grows
+    r.xclaim(messages.REQUESTS, messages.SCHEDULER_GROUP, "sched-a", 0, live, **hand_back)
+    (reply,) = conn.call([claims.claim_command("sched-b", 10, idle)])
+    assert [(e, count) for e, _, count in request_claims.parse_claim(reply)[1] if e in live] == [
+        (live[0], 3),
+        (live[1], 3),
+    ]
+    conn.close()
+
+
+def test_touch_keeps_own_entries_and_reports_those_a_peer_claimed(r):
+    add_requests(r, 3)
+    r.xreadgroup(messages.SCHEDULER_GROUP, "sched-a", {messages.REQUESTS: ">"}, count=3)
+    ids = [e for e, _ in r.xrange(messages.REQUESTS)]
+    claims = RequestClaims(r)
+    claims.load()
+    conn = redis_io.LoopConnection(r)
+    r.xclaim(messages.REQUESTS, messages.SCHEDULER_GROUP, "sched-b", 0, [ids[1]], justid=True)  # a peer's
+    r.xack(messages.REQUESTS, messages.SCHEDULER_GROUP, ids[2])  # finished
+    lost = request_claims.parse_touch(conn.call(claims.touch_commands("sched-a", ids)))
+    assert sorted(lost) == sorted(ids[1:])
+    owners = {
+        p["message_id"]: p["consumer"]
+        for p in r.xpending_range(messages.REQUESTS, messages.SCHEDULER_GROUP, "-", "+", 10)
+    }
+    assert owners == {ids[0]: "sched-a", ids[1]: "sched-b"}  # the peer's entry was not taken back
     conn.close()
 
 
 @pytest.mark.parametrize(
     "reply",
     [
-        ["0-0", [None, ["1-1", ["data", "x"]]]],  # Redis 6.2: nil in the deleted entry's place
-        ["0-0", [["1-1", ["data", "x"]]], ["1-0"]],  # Redis 7: its id listed apart
+        ["0-0", [None, ["1-1", ["data", "x"]]], [0, 2]],  # Redis 6.2: nil in the deleted entry's place
+        ["0-0", [["1-1", ["data", "x"]]], [2]],  # Redis 7: left out
     ],
 )
 def test_parse_claim_leaves_a_deleted_entry_out(reply):
-    assert redis_io.parse_claim(reply) == ("0-0", [("1-1", {"data": "x"})])
+    assert request_claims.parse_claim(reply) == ("0-0", [("1-1", {"data": "x"}, 2)])
 
 
 def test_parse_claim_gives_an_entry_without_fields_empty_fields():
-    reply = ["5-0", [["1-0", None], ["1-1", ["data", "x", "more", "y"]]]]
-    assert redis_io.parse_claim(reply) == ("5-0", [("1-0", {}), ("1-1", {"data": "x", "more": "y"})])
+    reply = ["5-0", [["1-0", None], ["1-1", ["data", "x", "more", "y"]]], [2, 4]]
+    assert request_claims.parse_claim(reply) == (
+        "5-0",
+        [("1-0", {}, 2), ("1-1", {"data": "x", "more": "y"}, 4)],
+    )
 
 
 def test_pack_commands_is_redis_py_packing(r):

@@ -121,5 +121,5 @@ def test_sigterm_scheduler_hands_requests_and_workers_over_at_once(stack, baseli
         f"\nscheduler drain: exit {victim['exit_s']:.2f} s after SIGTERM ({victim['pending']} requests "
         f"still pending under it, all claimed {victim['claimed_s']:.2f} s after its exit), {taken} taken over, "
         f"all done {done_s:.2f} s after SIGTERM "
-        f"(lease TTL {messages.SCHEDULER_TTL_S} s, claim idle {messages.CLAIM_IDLE_MS / 1000:g} s)"
+        f"(lease TTL {messages.LEASE_TTL_S:g} s, claim idle {messages.CLAIM_IDLE_MS / 1000:g} s)"
     )

@@ -15,8 +15,9 @@ import pytest
 from stack_harness import wait_for
 
 from fuseserve import messages
-from fuseserve.errors import WorkerLostError
+from fuseserve.errors import WorkerFencedError, WorkerLostError
 from fuseserve.proto import convert
+from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
 from fuseserve.redis_launcher import free_port
 from fuseserve.scheduler.service.grpc_worker import GrpcWorker
@@ -152,6 +153,35 @@ def test_a_dead_schedulers_queued_plan_is_refused_after_free_all(worker, monkeyp
     assert runner.order == [0]
     assert handle.step(StepPlan(0)).step_id == 0  # the new session's plans run
     assert runner.order == [0, 0]
+
+
+def test_a_stale_fence_is_refused_after_a_takeover_and_counted(worker):
+    """Split brain at the worker: scheduler A (fence 1) stalls past its lease, B takes the worker over
+    (fence 2, Free(all)); A's plans arriving afterwards on its own stream are refused (they would run
+    under the epoch of their arrival otherwise) and its Free frees nothing."""
+    runner, stale = worker
+    stale.fence = 1
+    stale.reset()
+    assert stale.step(StepPlan(0)).step_id == 0
+    fresh = GrpcWorker(stale.record, fence=2)
+    try:
+        fresh.reset()
+        assert fresh.step(StepPlan(0)).step_id == 0
+        with pytest.raises(WorkerFencedError, match="fence 1 is below 2") as refused:
+            stale.step(StepPlan(1))
+        assert refused.value.fence == 2
+        assert stale.fenced
+        with pytest.raises(WorkerFencedError):  # every later plan of the fenced handle fails at once
+            stale.step(StepPlan(2))
+        assert runner.order == [0, 0]  # A's plans never ran
+        with pytest.raises(WorkerFencedError, match="fence 2 > 1"):
+            GrpcWorker(stale.record, fence=1).reset()  # A's Free(all) is refused too
+        assert fresh.step(StepPlan(1)).step_id == 1  # B's session goes on
+        stub = pb_grpc.WorkerStub(grpc.insecure_channel(stale.record.address))
+        health = stub.Health(pb.HealthRequest())
+        assert (health.num_fenced, health.fence) == (2, 2)
+    finally:
+        fresh.close()
 
 
 def test_plans_out_of_order_on_unary_step_run_in_step_order(worker, received):

@@ -31,6 +31,8 @@ def test_stubs_import_from_package():
         "Step",
         "Steps",
         "Free",
+        "Migrate",
+        "ImportSeqs",
         "Health",
     }
 

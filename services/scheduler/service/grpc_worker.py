@@ -10,7 +10,9 @@ tools and tests share a loop on a thread of its own (``IOLoop.shared()``), to wh
 in batches: one wake-up of the loop per batch of plans, not one per plan.
 
 A stream that breaks or ends (the worker died, restarted, or stopped serving) fails every plan in
-flight, and every later one, with ``WorkerLostError``: the core's lost-worker path. A plan the worker
+flight, and every later one, with ``WorkerLostError``: the core's lost-worker path. So does a plan the
+worker refused for a stale fencing token (``WorkerFencedError``: another scheduler took the worker's
+lease over; every request carries the handle's ``fence``). A plan the worker
 refused (its runner raised, or it belongs to a session a later ``Free(all)`` ended) fails alone, with
 ``RuntimeError``. A worker that answers no plan for ``STEP_TIMEOUT_S`` is cut off as lost.
 """
@@ -26,15 +28,17 @@ from collections.abc import Callable
 import grpc
 
 from fuseserve import messages
-from fuseserve.errors import WorkerLostError
+from fuseserve.errors import WorkerFencedError, WorkerLostError
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
+from fuseserve.scheduler.migration import MigrationResult
 from fuseserve.types import StepPlan, StepResult
 
 STEP_TIMEOUT_S = 300.0  # a pass on a slow CPU can take seconds; a hung worker is cut off after this
 WATCH_S = 5.0  # how often the loop looks for a plan older than STEP_TIMEOUT_S
 CALL_TIMEOUT_S = 10.0  # Free / opening and closing the stream
+MIGRATE_TIMEOUT_S = 150.0  # a KV migration (the worker's own transfer limit is 120 s)
 
 #: called on the loop thread with a plan's step_id and its ``StepResult`` or exception
 OnResult = Callable[[int, "StepResult | Exception"], None]
@@ -128,6 +132,16 @@ class IOLoop:
         if self._waiter is not None:
             _resolve(self._waiter)
 
+    def spawn(self, coro) -> None:
+        """Run ``coro`` on the loop as a task of its own (from any thread; a driven loop runs it while
+        its owner waits)."""
+        if self.threaded:
+            asyncio.run_coroutine_threadsafe(coro, self.loop)
+        elif self._own():
+            self.loop.create_task(coro)
+        else:
+            self.loop.call_soon_threadsafe(self.loop.create_task, coro)
+
     def post(self, worker: GrpcWorker, step_id: int, request: pb.StepRequest, on_result: OnResult) -> None:
         """Queue a plan for ``worker``'s stream: at once on a driven loop's own thread; otherwise
         through the outbox, waking the loop only when the outbox was empty."""
@@ -160,10 +174,14 @@ def _resolve(fut: asyncio.Future) -> None:
 class GrpcWorker:
     """A remote worker as an ``EngineCore`` handle (``send`` for the core, ``step`` for tools and
     tests), on ``io`` (default: the process's threaded ``IOLoop.shared()``). Raises ``grpc.RpcError``
-    from ``reset`` when the worker cannot be reached."""
+    from ``reset`` when the worker cannot be reached.
 
-    def __init__(self, record: messages.WorkerRecord, io: IOLoop | None = None):
+    fence: the fencing token of this scheduler's lease on the worker (``worker_leases``), sent with
+    every plan and free; 0 for tools and tests that hold no lease."""
+
+    def __init__(self, record: messages.WorkerRecord, io: IOLoop | None = None, fence: int = 0):
         self.record = record
+        self.fence = fence
         self._aio = io if io is not None else IOLoop.shared()
         # loop-thread state: plans written and not answered (step_id -> (on_result, sent at)),
         # the error that ended the stream (then every plan fails with it)
@@ -179,6 +197,11 @@ class GrpcWorker:
         self._writing = False
         self._tasks = [self._aio.loop.create_task(c) for c in (self._read(), self._watch())]
 
+    @property
+    def fenced(self) -> bool:
+        """True once the worker refused a plan for a stale fence (another scheduler took it over)."""
+        return isinstance(self._lost, WorkerFencedError)
+
     # ----- caller's thread -----
     def send(self, plan: StepPlan, on_result: OnResult) -> None:
         """Send a plan now; ``on_result(plan.step_id, StepResult | exception)`` is called once, on the
@@ -186,6 +209,7 @@ class GrpcWorker:
         Never blocks on the worker."""
         try:
             request = convert.step_plan_to_proto(plan)
+            request.fence = self.fence
         except Exception as e:  # noqa: BLE001 - a value that cannot be encoded fails only this plan
             on_result(plan.step_id, e)
             return
@@ -209,10 +233,39 @@ class GrpcWorker:
             raise box[0]
         return box[0]
 
+    def migrate(self, dest: GrpcWorker, moves: list[tuple[int, list[int]]], on_done) -> None:
+        """Ask this (source) worker to move ``moves`` ``(seq_id, destination block ids)`` to ``dest``
+        with their K/V (``Migrate``); ``on_done`` gets a ``migration.MigrationResult``, or
+        ``WorkerFencedError`` / ``WorkerLostError``, once, on the loop thread. Never blocks."""
+        request = pb.MigrateRequest(
+            fence=self.fence,
+            dest_address=dest.record.address,
+            dest_fence=dest.fence,
+            moves=[pb.SeqMove(seq_id=sid, dest_block_ids=ids) for sid, ids in moves],
+        )
+        self._aio.spawn(self._migrate(request, on_done))
+
+    async def _migrate(self, request: pb.MigrateRequest, on_done) -> None:
+        try:
+            r = await self._stub.Migrate(request, timeout=MIGRATE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            on_done(WorkerLostError(f"{self.record.address}: Migrate: {e.code().name}"))
+            return
+        if r.fenced:
+            on_done(WorkerFencedError(f"worker {self.record.worker_id}: {r.error}"))
+        else:
+            on_done(MigrationResult(list(r.moved_seq_ids), r.num_bytes, r.seconds, r.error))
+
     def reset(self) -> None:
         """Free everything the worker holds (it may have served a previous scheduler); starts this
-        scheduler's session (plans numbered from 0)."""
-        self._aio.run(self._free_all(), CALL_TIMEOUT_S + 5)
+        scheduler's session (plans numbered from 0). Raises ``WorkerFencedError`` when the worker has
+        seen a higher fence than this handle's (its ``fence``: the worker's highest)."""
+        response = self._aio.run(self._free_all(), CALL_TIMEOUT_S + 5)
+        if response.fenced:
+            raise WorkerFencedError(
+                f"worker {self.record.worker_id} has seen fence {response.fence} > {self.fence}",
+                response.fence,
+            )
 
     def close(self) -> None:
         """End the stream and the channel; plans in flight fail with ``WorkerLostError``."""
@@ -254,6 +307,9 @@ class GrpcWorker:
                     continue
                 if msg.failure == pb.STEP_OK:
                     result: StepResult | Exception = convert.step_result_from_proto(msg)
+                elif msg.failure == pb.STEP_FENCED:  # lost to this scheduler: every later plan fails too
+                    self._lost = WorkerFencedError(f"worker {self.record.worker_id}: {msg.error}", msg.fence)
+                    result = self._lost
                 else:
                     code = _FAILURE_CODES.get(msg.failure, "UNKNOWN")
                     result = RuntimeError(f"worker {self.record.worker_id}: {code}: {msg.error}")
@@ -280,8 +336,8 @@ class GrpcWorker:
         for step_id, (on_result, _) in pending.items():
             on_result(step_id, error)
 
-    async def _free_all(self) -> None:
-        await self._stub.Free(pb.FreeRequest(all=True), timeout=CALL_TIMEOUT_S)
+    async def _free_all(self) -> pb.FreeResponse:
+        return await self._stub.Free(pb.FreeRequest(all=True, fence=self.fence), timeout=CALL_TIMEOUT_S)
 
     async def _close(self) -> None:
         self._fail_all(WorkerLostError(f"{self.record.address}: closed"))

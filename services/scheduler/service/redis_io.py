@@ -312,31 +312,6 @@ def raise_first_error_of(reply) -> None:
     raise_first_error([reply])
 
 
-def claim_command(consumer: str, count: int, start: str = "0-0") -> tuple:
-    """``XAUTOCLAIM`` of request entries idle ``messages.CLAIM_IDLE_MS`` (a dead scheduler's) for
-    ``consumer``, at most ``count``, from ``start``; its reply goes through ``parse_claim``."""
-    return (
-        "XAUTOCLAIM",
-        messages.REQUESTS,
-        messages.SCHEDULER_GROUP,
-        consumer,
-        messages.CLAIM_IDLE_MS,
-        start,
-        "COUNT",
-        count,
-    )
-
-
-def parse_claim(reply: list) -> tuple[str, list[tuple[str, dict]]]:
-    """``(next start id, [(entry_id, fields), ...])`` of a raw ``XAUTOCLAIM`` reply. An entry deleted
-    while pending is left out (Redis 7 lists its id in a third element and drops it from the pending
-    list; 6.2 answers nil in its place, without the id) or has fields ``{}``."""
-    start, entries = reply[0], reply[1]
-    return start, [
-        (e[0], dict(zip(e[1][::2], e[1][1::2], strict=True)) if e[1] else {}) for e in entries if e
-    ]
-
-
 def trim_control_command() -> tuple:
     """``XTRIM`` of control entries older than ``CONTROL_KEEP_S`` (every scheduler has read them by then)."""
     oldest_ms = int((time.time() - CONTROL_KEEP_S) * 1000)

@@ -10,8 +10,12 @@ service stops reading new requests (``accepting``). Then the loop is stopped (``
 - the deadline passed (or a second signal came).
 
 ``SchedulerService.close`` then calls ``hand_back``: whatever is still pending becomes claimable at
-once, and the worker leases are deleted (not left to expire), so nothing waits for
-``messages.CLAIM_IDLE_MS`` or ``messages.SCHEDULER_TTL_S``.
+once, and the worker leases are deleted (not left to expire), so nothing waits for the claim idle
+time or the lease TTL (``messages.LeaseTimings``).
+
+A scheduler that is left with no worker (its workers drained or died, a peer holds the rest) hands
+its waiting requests to a peer that has workers the same way (``hand_over_waiting``), instead of
+failing them with a 503 after ``messages.NO_WORKER_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -27,12 +31,22 @@ from fuseserve.drain_signal import DrainSignal
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
+#: seconds with no worker before the waiting requests go to a peer that has workers (the service's
+#: discovery, every 0.5 s, may still find one of its own in this time)
+HAND_OVER_AFTER_S = 1.0
 
 
 def other_schedulers_live(r: redis.Redis, consumer: str) -> int:
     """The number of live schedulers other than ``consumer`` (their liveness keys)."""
     own = messages.scheduler_live_key(consumer)
     return sum(1 for key in r.scan_iter(match=messages.scheduler_live_key("*"), count=100) if key != own)
+
+
+def peers_with_workers(r: redis.Redis, consumer: str) -> int:
+    """The number of workers whose lease another scheduler than ``consumer`` holds (leases live only
+    while their holder beats)."""
+    keys = list(r.scan_iter(match=messages.worker_lease_key("*"), count=1000))
+    return sum(1 for holder in (r.mget(keys) if keys else []) if holder is not None and holder != consumer)
 
 
 def watch(service, drain: DrainSignal, stop: threading.Event) -> None:
@@ -63,11 +77,47 @@ def watch(service, drain: DrainSignal, stop: threading.Event) -> None:
     stop.set()
 
 
-def hand_back(service) -> int:
-    """Make the service's unfinished requests claimable by any scheduler now: their pending entries
-    get an idle time past ``CLAIM_IDLE_MS`` (XCLAIM ... IDLE), so the next XAUTOCLAIM takes them.
-    Call after the heartbeat has stopped (it would reset their idle time). Returns their number."""
-    ids = [o.entry_id for o in list(service.owners.values())]
+def serve_if_no_worker(service, now: float) -> None:
+    """Called by ``service``'s loop at ``now`` (monotonic seconds): requests waiting while it has had
+    no worker for ``HAND_OVER_AFTER_S`` go to a peer that has workers (``hand_over_waiting``); with
+    none for ``messages.NO_WORKER_GRACE_S`` they fail with a 503."""
+    if service.scheduler.slots or not service.scheduler.waiting:
+        service.no_worker_since = None
+        return
+    if service.no_worker_since is None:
+        service.no_worker_since = now
+    elapsed = now - service.no_worker_since
+    if elapsed >= HAND_OVER_AFTER_S and peers_with_workers(service.r, service.consumer):
+        n = hand_over_waiting(service)
+        log.warning("no worker: handed %d waiting requests to a peer that has workers", n)
+    elif elapsed >= messages.NO_WORKER_GRACE_S:
+        log.error(
+            "no worker for %.0f s: failing %d waiting requests", elapsed, len(service.scheduler.waiting)
+        )
+        service.publish_events(service.scheduler.fail_waiting("no worker is available", 503))
+
+
+def hand_over_waiting(service) -> int:
+    """Hand the service's waiting sequences (none has run anywhere yet) to a peer: their entries
+    become claimable now (``hand_back``) and the service forgets them (no event, no ack; its
+    heartbeat stops touching them). Returns their number."""
+    waiting = [seq.seq_id for seq in service.scheduler.waiting]
+    owners = [service.owners.pop(seq_id) for seq_id in waiting if seq_id in service.owners]
+    for seq_id in waiting:
+        service.core.abort(seq_id)
+        service.metrics.forget(seq_id)
+    hand_back(service, [o.entry_id for o in owners])
+    service.num_handed_over += len(owners)
+    service.room_changed = True
+    return len(owners)
+
+
+def hand_back(service, entry_ids: list[str] | None = None) -> int:
+    """Make request entries claimable by any scheduler now (default: every unfinished request of the
+    service): their pending entries get an idle time past any claim idle time (XCLAIM ... IDLE), so
+    the next XAUTOCLAIM takes them. The service's heartbeat must not touch them afterwards (stopped,
+    or the entries no longer in ``owners``): it would reset their idle time. Returns their number."""
+    ids = [o.entry_id for o in list(service.owners.values())] if entry_ids is None else entry_ids
     for i in range(0, len(ids), 500):
         service.r.xclaim(
             messages.REQUESTS,

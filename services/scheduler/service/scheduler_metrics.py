@@ -13,11 +13,15 @@ worker's record (``set_model``). The full list with meanings is ``monitoring/REA
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from fuseserve import messages
 from fuseserve.scheduler.core_stats import SchedulerStats
 from fuseserve.types import StepPlan
 
@@ -238,9 +242,12 @@ class SchedulerMetrics:
         for idle in stats.new_idle_s:
             self.worker_idle.observe(idle)
 
-    def observe_budget(self, worker: str, token_budget: int, _num_tokens: int) -> None:
-        """The budget chosen for one planned pass (``Scheduler.pass_observers``)."""
-        self._child(self._chosen_budget, worker).observe(token_budget)
+    def observe_budget(self, worker: str, token_budget: int, num_tokens: int) -> None:
+        """The budget chosen for one planned pass (``Scheduler.pass_observers``). A plan that only
+        frees blocks (``num_tokens`` 0) is not a pass: ``fuseserve_iteration_tokens_total`` skips it
+        too, so the two histograms count the same passes and their ``_sum`` ratio is pass fullness."""
+        if num_tokens:
+            self._child(self._chosen_budget, worker).observe(token_budget)
 
     def note_arrival(self, seq_id: int) -> None:
         """A sequence entered the queue now (not for one taken over from a dead scheduler: its
@@ -274,3 +281,51 @@ class SchedulerMetrics:
                 fam.remove(self.model_name, worker)
             except KeyError:
                 pass
+
+
+def stats_command(service) -> tuple:
+    """The ``SET`` of ``service``'s stats record (``messages.scheduler_stats_key``: its queue, its
+    workers, CPU per worker-step, worker idle times, takeovers and hand-overs, its Prometheus
+    endpoint; readers add the schedulers' records up, ``messages.read_scheduler_stats``), for a
+    ``SchedulerService``; sets its queue-depth and running gauges."""
+    record = service.core.make_stats()
+    service.metrics.record(record)
+    totals = service.scheduler.totals()
+    waiting, running = record.num_waiting, record.num_running
+    workers = {
+        name: {
+            "admitted": w.num_admitted,
+            "running": w.num_running,
+            "free_blocks": w.num_free_blocks,
+            "num_blocks": w.num_blocks,
+        }
+        for name, w in record.workers.items()
+    }
+    cpu50, cpu99 = service.core.stats.cpu_per_step_ms()
+    idle50, idle99 = service.core.stats.idle_ms()
+    stats = {
+        "waiting": waiting,
+        "running": running,
+        "time": time.time(),
+        "workers": workers,
+        "worker_steps": record.num_worker_steps,
+        "cpu_ms_per_worker_step": {"p50": cpu50, "p99": cpu99},
+        "worker_idle_ms": {"p50": idle50, "p99": idle99},
+        "surplus_tokens": record.num_surplus_tokens,
+        "scheduler": service.consumer,
+        "pid": os.getpid(),
+        "taken_over": service.num_taken_over,
+        "migrated": totals.num_migrated,
+        "migrated_bytes": totals.num_migrated_bytes,
+        "recomputed_tokens": totals.num_recomputed_tokens,
+        "migration_seconds": totals.migration_seconds,
+        "lost_to_peers": service.num_lost_to_peers,
+        "handed_over": service.num_handed_over,
+        "fenced_workers": service.leases.num_fenced,
+        "metrics_port": service.metrics.port,
+        "metrics_host": socket.gethostname(),
+    }
+    service.metrics.queue_depth.set(waiting)  # the gauges; ``record`` counted the events
+    service.metrics.running.set(running)
+    # its own record: readers add the schedulers' records up (``messages.read_scheduler_stats``)
+    return ("SET", messages.scheduler_stats_key(service.consumer), json.dumps(stats), "EX", 10)

@@ -20,22 +20,22 @@ its own, its next plan sent while its pass runs). Its I/O is kept off that loop'
 Several schedulers can run (``fuseserve serve --schedulers N``, compose ``--scale scheduler=N``): each
 drives the workers it holds a lease on, claims unleased ones up to its share, and takes over a dead
 scheduler's workers when their leases expire and its pending requests when they have been idle
-``messages.CLAIM_IDLE_MS`` (XAUTOCLAIM). A taken-over request is recomputed from its prompt; its
-tokens carry their index, so the gateway drops those it already sent. ``docs/architecture.md`` walks
-a request through.
+``LeaseTimings.claim_idle_ms`` (XAUTOCLAIM), recomputed from its prompt. Tokens carry their index
+and the request's fence (``request_claims``), plans the lease's (``worker_leases``): no token is sent
+twice and a stalled scheduler cannot act after a peer took over. One left with no worker hands its
+waiting requests to a peer (``scheduler_drain``). ``docs/architecture.md`` walks a request through.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import redis
@@ -50,18 +50,27 @@ from fuseserve.scheduler import engine_loop
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
-from fuseserve.scheduler.service import heartbeat, redis_io, scheduler_drain
+from fuseserve.scheduler.service import (
+    heartbeat,
+    redis_io,
+    request_claims,
+    scheduler_drain,
+    scheduler_metrics,
+)
 from fuseserve.scheduler.service.grpc_worker import IOLoop
 from fuseserve.scheduler.service.redis_io import RedisInbox
+from fuseserve.scheduler.service.request_claims import RequestClaims
 from fuseserve.scheduler.service.scheduler_metrics import SchedulerMetrics
 from fuseserve.scheduler.service.worker_leases import WorkerLeases
 
 log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL_S = 0.5
-CLAIM_INTERVAL_S = 1.0  # how often pending requests of dead schedulers are looked for
+CLAIM_INTERVAL_S = 0.25  # how often pending requests of dead schedulers are looked for
 CONTROL_TRIM_INTERVAL_S = 10.0
 STATS_INTERVAL_S = 1.0
+EARLY_ABORT_KEEP_S = 120.0  # as long as control entries are kept (redis_io.CONTROL_KEEP_S)
+EARLY_ABORT_MAX = 10_000  # remembered aborts of unread requests before the old ones are dropped
 
 
 @dataclass
@@ -69,6 +78,7 @@ class _Owner:
     gateway_id: str
     entry_id: str
     seq: Sequence
+    fence: int = 0  # the entry's delivery count when taken over (0: first delivery), on its events
 
 
 class SchedulerService:
@@ -79,6 +89,7 @@ class SchedulerService:
         config: engine configuration.
         consumer: this scheduler's name in the consumer group (default: host-pid-random).
         metrics_port: serve Prometheus metrics on this port (None: not served).
+        timings: lease and claim timings (every scheduler of a deployment uses the same).
     """
 
     def __init__(
@@ -87,9 +98,12 @@ class SchedulerService:
         config: EngineConfig,
         consumer: str | None = None,
         metrics_port: int | None = None,
+        timings: messages.LeaseTimings | None = None,
     ):
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.config = config
+        self.timings = timings or messages.LeaseTimings()
+        self.claims = RequestClaims(self.r)
         # the workers' gRPC streams run on this thread's loop, and the core waits for results in it
         self.io = IOLoop(threaded=False)
         self.core = EngineCore(config, eos_token_ids=[], waiter=self.io)
@@ -99,11 +113,17 @@ class SchedulerService:
         self.conn = redis_io.LoopConnection(self.r)  # the loop's writes and periodic reads
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port)
-        self.leases = WorkerLeases(self.r, self.consumer, self.core, self.metrics, io=self.io)
+        self.leases = WorkerLeases(
+            self.r, self.consumer, self.core, self.metrics, io=self.io, timings=self.timings
+        )
+        self.lost_entries: deque[str] = deque()  # entries a peer claimed (heartbeat → loop)
+        self.num_lost_to_peers = 0  # requests a peer took over from this scheduler (it had stalled)
+        self.num_handed_over = 0  # waiting requests handed to a peer for want of a worker
+        self._early_aborts: dict[int, float] = {}  # seq id -> when its abort came, before its request
         self.metrics.watch(self.core)
         self._last_discovery = self._last_claim = self._last_stats = self._last_trim = 0.0
-        self._room_changed = True  # recompute ``room`` for the request reader
-        self._no_worker_since: float | None = None
+        self.room_changed = True  # recompute ``room`` for the request reader
+        self.no_worker_since: float | None = None  # since when it has had no worker (None: it has one)
         self._cpu0 = time.process_time()
         self.accepting = True  # reads new requests (False while draining: ``scheduler.drain``)
         self._heartbeat: threading.Thread | None = None
@@ -121,13 +141,13 @@ class SchedulerService:
         start = "0-0"
         while first_reply is not None or self.room() > 0:
             if first_reply is None:
-                reply = self.conn.call([redis_io.claim_command(self.consumer, min(100, self.room()), start)])[
-                    0
-                ]
+                reply = self.conn.call([self._claim_command(start)])[0]
             else:
                 reply, first_reply = first_reply, None
+            if not self.claims.reload_if_lost([reply]):
+                return  # Redis restarted without the script: claimed at the next round
             redis_io.raise_first_error([reply])  # NOGROUP: ``run`` recreates the group
-            start, entries = redis_io.parse_claim(reply)
+            start, entries = request_claims.parse_claim(reply)
             if entries:
                 log.warning("took over %d requests of a dead scheduler", len(entries))
                 self.num_taken_over += len(entries)
@@ -135,15 +155,25 @@ class SchedulerService:
             if start == "0-0" or not entries:
                 break
 
+    def _claim_command(self, start: str = "0-0") -> tuple:
+        return self.claims.claim_command(
+            self.consumer, min(100, self.room()), self.timings.claim_idle_ms, start
+        )
+
     def _add_requests(self, entries, taken_over: bool = False) -> None:
+        """Add request entries: ``(entry_id, fields)`` as read, or ``(entry_id, fields, delivery
+        count)`` as taken over (``request_claims.parse_claim``)."""
         errors: dict[str, list[TokenEvent]] = defaultdict(list)
         rejected = []
-        for entry_id, fields in entries:
+        for entry_id, fields, *count in entries:
             if not fields:  # deleted while pending
                 rejected.append(entry_id)
                 continue
             msg = messages.RequestMessage.decode(fields)
             if msg.seq_id in self.owners:
+                continue
+            if self._early_aborts.pop(msg.seq_id, None) is not None:
+                rejected.append(entry_id)  # its client left before any scheduler read it: never run
                 continue
             try:
                 params = SamplingParams.from_dict(msg.params)
@@ -162,10 +192,10 @@ class SchedulerService:
                 )
                 rejected.append(entry_id)
                 continue
-            self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq)
+            self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq, count[0] if count else 0)
             if not taken_over:
                 self.metrics.note_arrival(msg.seq_id)
-        self._room_changed = True
+        self.room_changed = True
         self.conn.publish(errors, rejected)
 
     def room(self) -> int:
@@ -190,22 +220,32 @@ class SchedulerService:
                 self._apply_control(entries)
             else:
                 nogroup = True
-        if batches or self._room_changed or not self.accepting:  # draining: room 0 at once
-            self._room_changed = False
+        if batches or self.room_changed or not self.accepting:  # draining: room 0 at once
+            self.room_changed = False
             self.inbox.set_room(self.room(), batches)
         if nogroup:
             raise redis.ResponseError("NOGROUP the request stream's consumer group is gone")
 
     def _apply_control(self, entries) -> None:
+        """Aborts: of an owned sequence, now; of one not read yet (its client left while it waited in
+        the request stream), remembered for ``EARLY_ABORT_KEEP_S``, so that whichever scheduler reads
+        it drops it unrun."""
+        now = time.monotonic()
         for _, fields in entries:
             msg = messages.ControlMessage.decode(fields)
-            if msg.kind == "abort" and msg.seq_id in self.owners:
+            if msg.kind != "abort":
+                continue
+            if msg.seq_id in self.owners:
                 reason = FinishReason.STOP if msg.reason == "stop" else FinishReason.ABORT
                 self.core.abort(msg.seq_id, reason)
                 self._finish(msg.seq_id)
+            else:
+                self._early_aborts[msg.seq_id] = now
+        if len(self._early_aborts) > EARLY_ABORT_MAX:
+            self._early_aborts = {s: t for s, t in self._early_aborts.items() if now - t < EARLY_ABORT_KEEP_S}
 
     # ----- outputs -----
-    def _publish_events(self, events: list[TokenEvent]) -> None:
+    def publish_events(self, events: list[TokenEvent]) -> None:
         """Write one poll round's events (one ``XADD`` per gateway) and acknowledge finished requests."""
         by_gateway: dict[str, list[dict]] = defaultdict(list)
         done = []
@@ -213,19 +253,26 @@ class SchedulerService:
             owner = self.owners.get(ev.seq_id)
             if owner is None:
                 continue
+            ev.fence = owner.fence
             by_gateway[owner.gateway_id].append(ev.to_wire())
             if ev.finish_reason is not None:
                 done.append(self.owners.pop(ev.seq_id).entry_id)
                 self.metrics.forget(ev.seq_id)
         if done:
-            self._room_changed = True
+            self.room_changed = True
         self.conn.publish(by_gateway, done)
+
+    def note_lost_requests(self, entry_ids: list[str]) -> None:
+        """From the heartbeat: request entries a peer claimed while this scheduler stalled. The loop
+        drops them (``request_claims.drop_lost``): the peer serves them, and an ack from here would end its claim."""
+        self.lost_entries.extend(entry_ids)
+        self.core.wakeup()
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
         self.metrics.forget(seq_id)
         if owner is not None:
-            self._room_changed = True
+            self.room_changed = True
             self.conn.publish({}, [owner.entry_id])
 
     # ----- loop -----
@@ -240,15 +287,16 @@ class SchedulerService:
         """Periodic work (discovery, take-over, stats) when due, then what the readers handed over;
         returns the seconds until the next periodic task (a hand-over or a result ends it sooner)."""
         now = time.monotonic()
+        request_claims.drop_lost(self)
         self._periodic(now)
-        self._fail_if_no_worker(now)
+        scheduler_drain.serve_if_no_worker(self, now)
         self._apply_inbox()
         due = min(self._last_discovery + DISCOVERY_INTERVAL_S, self._last_stats + STATS_INTERVAL_S)
         return max(0.0, due - time.monotonic())
 
     def send(self, events: list[TokenEvent]) -> None:
         """Publish a poll's events to their gateways, record its stats and its CPU per worker-step."""
-        self._publish_events(events)
+        self.publish_events(events)
         self.metrics.record(self.core.make_stats())  # the events since the last record
         cpu = time.process_time()  # the process's CPU since the last worker-steps, spread over these
         self.stats_cpu(cpu - self._cpu0, self.core.num_completions)
@@ -271,14 +319,14 @@ class SchedulerService:
         if now - self._last_claim >= CLAIM_INTERVAL_S:
             self._last_claim = now
             if self.room() > 0:
-                commands.append(redis_io.claim_command(self.consumer, min(100, self.room())))
+                commands.append(self._claim_command())
                 then.append(self.claim_orphans)
         if now - self._last_trim >= CONTROL_TRIM_INTERVAL_S:
             commands.append(redis_io.trim_control_command())
             then.append(redis_io.raise_first_error_of)
             self._last_trim = now
         if now - self._last_stats >= STATS_INTERVAL_S:
-            commands.append(self._stats_command())
+            commands.append(scheduler_metrics.stats_command(self))
             then.append(redis_io.raise_first_error_of)
             self._last_stats = now
         for handle, reply in zip(then, self.conn.call(commands), strict=True):
@@ -287,65 +335,13 @@ class SchedulerService:
     def _discovered(self, reply) -> None:
         self.leases.discover(reply)
         self.metrics.workers.set(len(self.scheduler.slots))
-        self._room_changed = True
+        self.room_changed = True
 
     def stats_cpu(self, seconds: float, num_steps: int) -> None:
         """Record ``seconds`` of this process's CPU for ``num_steps`` worker-steps (stats + metric)."""
         self.core.stats.add_cpu(seconds, num_steps)
         for _ in range(num_steps):
             self.metrics.cpu_per_step.observe(seconds / num_steps)
-
-    def _stats_command(self) -> tuple:
-        """The ``SET`` of this scheduler's stats record (``messages.scheduler_stats_key``); sets the
-        queue-depth and running gauges."""
-        record = self.core.make_stats()
-        self.metrics.record(record)
-        waiting, running = record.num_waiting, record.num_running
-        workers = {
-            name: {
-                "admitted": w.num_admitted,
-                "running": w.num_running,
-                "free_blocks": w.num_free_blocks,
-                "num_blocks": w.num_blocks,
-            }
-            for name, w in record.workers.items()
-        }
-        cpu50, cpu99 = self.core.stats.cpu_per_step_ms()
-        idle50, idle99 = self.core.stats.idle_ms()
-        stats = {
-            "waiting": waiting,
-            "running": running,
-            "time": time.time(),
-            "workers": workers,
-            "worker_steps": record.num_worker_steps,
-            "cpu_ms_per_worker_step": {"p50": cpu50, "p99": cpu99},
-            "worker_idle_ms": {"p50": idle50, "p99": idle99},
-            "surplus_tokens": record.num_surplus_tokens,
-            "scheduler": self.consumer,
-            "pid": os.getpid(),
-            "taken_over": self.num_taken_over,
-            "metrics_port": self.metrics.port,
-            "metrics_host": socket.gethostname(),
-        }
-        self.metrics.queue_depth.set(waiting)  # the gauges; ``record`` counted the events
-        self.metrics.running.set(running)
-        # its own record: readers add the schedulers' records up (``messages.read_scheduler_stats``)
-        return ("SET", messages.scheduler_stats_key(self.consumer), json.dumps(stats), "EX", 10)
-
-    def _fail_if_no_worker(self, now: float) -> None:
-        """Requests waiting while no worker has been alive for ``NO_WORKER_GRACE_S`` fail with a 503."""
-        if self.scheduler.slots or not self.scheduler.waiting:
-            self._no_worker_since = None
-            return
-        if self._no_worker_since is None:
-            self._no_worker_since = now
-        elif now - self._no_worker_since >= messages.NO_WORKER_GRACE_S:
-            log.error(
-                "no worker for %.0f s: failing %d waiting requests",
-                now - self._no_worker_since,
-                len(self.scheduler.waiting),
-            )
-            self._publish_events(self.scheduler.fail_waiting("no worker is available", 503))
 
     def close(self) -> None:
         """A clean stop (after ``run``): give up this scheduler's liveness key, hand its unfinished requests
@@ -390,7 +386,8 @@ class SchedulerService:
 def run_scheduler(args: argparse.Namespace) -> int:
     """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain and exit."""
     config = from_cli_args(EngineConfig, args)  # the engine options the scheduler offers
-    service = SchedulerService(args.redis_url, config, metrics_port=args.metrics_port)
+    timings = messages.LeaseTimings(args.lease_ttl)
+    service = SchedulerService(args.redis_url, config, metrics_port=args.metrics_port, timings=timings)
     stop = threading.Event()
     watched = (service, DrainSignal(args.drain_timeout).install(), stop)
     threading.Thread(target=scheduler_drain.watch, args=watched, name="drain", daemon=True).start()

@@ -2,9 +2,13 @@
 
 Workers register ``messages.worker_key(id)`` records (TTL ``WORKER_TTL_S``, refreshed by their
 heartbeat). Each scheduler drives the workers it holds a lease on (``messages.worker_lease_key``,
-TTL ``SCHEDULER_TTL_S``, renewed by its heartbeat thread), claims unleased ones up to its share
+TTL ``LeaseTimings.ttl_s``, renewed by its heartbeat thread), claims unleased ones up to its share
 (workers ÷ live schedulers), gives an idle one back when it holds more than its share, and takes over
-a dead scheduler's workers when their leases expire. See ``docs/architecture.md``.
+a dead scheduler's workers when their leases expire. Each lease taken comes with a fencing token
+(``messages.worker_fence_key``): the handle sends it with every plan, and the worker refuses a lower
+one than it has seen, so a scheduler that stalled past its lease finds its plans refused
+(``WorkerFencedError``: it drops the worker) instead of writing into a peer's sequences. See
+``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import grpc
 import redis
 
 from fuseserve import messages
+from fuseserve.errors import WorkerFencedError
 from fuseserve.scheduler.engine_core import EngineCore
 from fuseserve.scheduler.service.grpc_worker import GrpcWorker, IOLoop
 
@@ -44,6 +49,24 @@ local records = {}
 for i, key in ipairs(scan(ARGV[1])) do records[i] = redis.call('get', key) end
 return {#scan(ARGV[2]), records}
 """
+#: take the lease KEYS[1] for ARGV[1] (TTL ARGV[2] ms) unless another scheduler holds it, then a
+#: fencing token from the counter KEYS[2], above ARGV[3] (the fence the worker has seen, when the
+#: counter was lost with a Redis restart). Returns the token, or 0 when another holds the lease.
+_TAKE_LUA = """
+local holder = redis.call('get', KEYS[1])
+if holder == false then
+  redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+elseif holder ~= ARGV[1] then
+  return 0
+end
+local fence = redis.call('incr', KEYS[2])
+if fence <= tonumber(ARGV[3]) then
+  fence = tonumber(ARGV[3]) + 1
+  redis.call('set', KEYS[2], fence)
+end
+redis.call('expire', KEYS[2], 86400)
+return fence
+"""
 #: delete a lease only while this scheduler holds it
 _RELEASE_LUA = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
@@ -61,9 +84,16 @@ class WorkerLeases:
     takes it back (``EngineCore.take_lost``) at the next discovery."""
 
     def __init__(
-        self, r: redis.Redis, consumer: str, core: EngineCore, metrics=None, io: IOLoop | None = None
+        self,
+        r: redis.Redis,
+        consumer: str,
+        core: EngineCore,
+        metrics=None,
+        io: IOLoop | None = None,
+        timings: messages.LeaseTimings | None = None,
     ):
         self.r = r
+        self.timings = timings or messages.LeaseTimings()
         self.io = io  # the event loop the workers' gRPC streams run on (None: the shared threaded one)
         self.consumer = consumer
         self.core = core
@@ -71,9 +101,11 @@ class WorkerLeases:
         self.leased: set[str] = set()  # workers this scheduler holds a lease on
         self._lost: set[str] = set()  # leases the heartbeat could not renew (another took them)
         self._renew = r.register_script(_RENEW_LUA)
+        self._take = r.register_script(_TAKE_LUA)
         self._release = r.register_script(_RELEASE_LUA)
         self._discover = r.register_script(_DISCOVER_LUA)
         self._decoded: dict[str, messages.WorkerRecord] = {}  # record JSON → record, of the last read
+        self.num_fenced = 0  # workers lost because they refused a plan for a stale fence
 
     def discover_command(self) -> tuple:
         """Discovery's one command, to send with others (``redis_io.LoopConnection.call``); its reply
@@ -134,17 +166,42 @@ class WorkerLeases:
                     self.drop(wid)
                     break
 
+    def _take_fence(self, wid: str, floor: int = 0) -> int:
+        """Take ``wid``'s lease (or keep it, when held already) and a fencing token above ``floor``;
+        0 when another scheduler holds the lease."""
+        keys = [messages.worker_lease_key(wid), messages.worker_fence_key(wid)]
+        return int(self._take(keys=keys, args=[self.consumer, self.timings.ttl_ms, floor]))
+
+    def _reset(self, wid: str, handle: GrpcWorker) -> str | None:
+        """Start this scheduler's session on a newly leased worker (``Free(all)``: a previous
+        scheduler's sequences are gone with it); None when done, else why not. A worker that has seen
+        a higher fence than Redis gave (the counter was lost: Redis restarted empty) gets a new
+        fence above it."""
+        try:
+            try:
+                handle.reset()
+            except WorkerFencedError as e:
+                handle.fence = self._take_fence(wid, e.fence)
+                if not handle.fence:
+                    return "another scheduler took its lease"
+                handle.reset()
+        except grpc.RpcError as e:
+            return f"unreachable ({e.code()})"
+        except WorkerFencedError as e:
+            return str(e)
+        return None
+
     def _claim(self, wid: str, rec: messages.WorkerRecord) -> None:
         """Take the lease of an unleased worker and add it to the core (nothing when another
         scheduler holds it or it cannot be reached)."""
         lease = messages.worker_lease_key(wid)
-        if not self.r.set(lease, self.consumer, nx=True, px=messages.SCHEDULER_TTL_S * 1000):
+        fence = self._take_fence(wid)
+        if not fence:
             return  # another scheduler drives it
-        handle = GrpcWorker(rec, self.io)
-        try:
-            handle.reset()  # a previous scheduler's sequences are gone with it
-        except grpc.RpcError as e:
-            log.warning("worker %s at %s unreachable: %s", wid, rec.address, e.code())
+        handle = GrpcWorker(rec, self.io, fence)
+        reason = self._reset(wid, handle)
+        if reason is not None:
+            log.warning("worker %s at %s not taken: %s", wid, rec.address, reason)
             handle.close()
             self._release(keys=[lease], args=[self.consumer])
             return
@@ -160,11 +217,12 @@ class WorkerLeases:
             handle.close()  # held nowhere else; the next discovery releases the lease
             raise
         log.info(
-            "worker %s joined at %s (%d blocks, budget %d)",
+            "worker %s joined at %s (%d blocks, budget %d, fence %d)",
             wid,
             rec.address,
             rec.num_blocks,
             self.core.scheduler.slots[wid].token_budget,
+            handle.fence,
         )
 
     def drop(self, wid: str) -> None:
@@ -182,7 +240,10 @@ class WorkerLeases:
     def _close_lost(self) -> None:
         """Close the streams of the workers the core dropped as lost (their leases are released by
         ``discover`` / ``release_all``)."""
-        for handle in self.core.take_lost().values():
+        for wid, handle in self.core.take_lost().items():
+            if handle.fenced:
+                log.warning("worker %s refused a plan: another scheduler took its lease over", wid)
+                self.num_fenced += 1
             handle.close()
 
     def renew(self) -> None:
@@ -197,7 +258,7 @@ class WorkerLeases:
         replies for ``note_renewals``. ``EVALSHA`` directly: a redis-py pipeline holding ``Script``
         objects first asks ``SCRIPT EXISTS``, a round trip more."""
         wids = list(self.leased) if wids is None else wids
-        ttl_ms = messages.SCHEDULER_TTL_S * 1000
+        ttl_ms = self.timings.ttl_ms
         commands = [
             ("EVALSHA", self._renew.sha, 1, messages.worker_lease_key(wid), self.consumer, ttl_ms)
             for wid in wids

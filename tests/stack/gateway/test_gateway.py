@@ -342,7 +342,9 @@ def test_queue_full_429(http, fake):
 
 def test_no_worker_503(http, fake):
     fake.remove_worker()
-    assert_error(post(http, "/v1/chat/completions", messages=[{"role": "user", "content": "x"}]), 503)
+    r = post(http, "/v1/chat/completions", messages=[{"role": "user", "content": "x"}])
+    assert_error(r, 503)
+    assert int(r.headers["retry-after"]) >= 1
     assert http.get("/health").status_code == 503
     fake.add_worker()
     assert http.get("/health").status_code == 200

@@ -139,9 +139,9 @@ def test_scheduler_error_after_tokens_streamed(http, fake, burst):
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["message"] == "worker lost" and events[-2]["error"]["status"] == 503
     assert "".join(c["choices"][0]["text"] for c in events[:-2] if c.get("choices")) == "one two three"
-    assert_error(
-        post(http, "/v1/completions", prompt="one two three four", max_tokens=50), 503, contains="lost"
-    )
+    r = post(http, "/v1/completions", prompt="one two three four", max_tokens=50)
+    assert_error(r, 503, contains="lost")
+    assert int(r.headers["retry-after"]) >= 1  # a scheduler's 503 (no worker) tells when to retry
 
 
 def test_admission_snapshot_is_single_flight():
