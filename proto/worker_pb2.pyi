@@ -270,7 +270,7 @@ class MigrateResponse(_message.Message):
     def __init__(self, moved_seq_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., fenced: _Optional[bool] = ...) -> None: ...
 
 class SeqState(_message.Message):
-    __slots__ = ("seq_id", "num_computed", "last_token", "prompt_len", "prompt_token_ids", "output_token_ids", "params", "block_ids", "kv_dtype", "runner_state")
+    __slots__ = ("seq_id", "num_computed", "last_token", "prompt_len", "prompt_token_ids", "output_token_ids", "params", "block_ids", "kv_dtype", "runner_state", "lora_name")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class SeqState(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RUNNER_STATE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_computed: int
     last_token: int
@@ -291,7 +292,8 @@ class SeqState(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_dtype: str
     runner_state: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., num_computed: _Optional[int] = ..., last_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., runner_state: _Optional[bytes] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed: _Optional[int] = ..., last_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., runner_state: _Optional[bytes] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class KVPart(_message.Message):
     __slots__ = ("fence", "state", "seq_id", "layer", "k", "v", "last")

@@ -81,13 +81,16 @@ class Migrations:
         (none: the round is over at once)."""
         slot = self.registry.slots[name]
         orders: dict[str, MigrationOrder] = {}
+        adapters: dict[str, set[str]] = {}  # destination -> LoRA adapters moved there this round
         for seq in list(slot.running):
             if seq.in_prefill or seq.params.prompt_logprobs is not None:
                 self.lifecycle.to_waiting(seq)  # little computed yet: recompute elsewhere
                 continue
-            dest = self._destination(slot, seq)
+            dest = self._destination(slot, seq, adapters)
             if dest is None:
                 continue  # no room anywhere: it finishes here
+            if seq.lora is not None:
+                adapters.setdefault(dest.name, set()).add(seq.lora)
             dest.account.reserve(seq.seq_id, seq.num_computed_tokens)
             order = orders.setdefault(dest.name, MigrationOrder(name, dest.name))
             order.moves.append((seq, dest.account.unsent(seq.seq_id)))
@@ -96,7 +99,9 @@ class Migrations:
         self.registry.touched.add(name)
         return list(orders.values())
 
-    def _destination(self, source: WorkerSlot, seq: Sequence) -> WorkerSlot | None:
+    def _destination(
+        self, source: WorkerSlot, seq: Sequence, adapters: dict[str, set[str]]
+    ) -> WorkerSlot | None:
         need = seq.num_computed_tokens + 1  # its K/V and the block of its next decode
         fits = [
             s
@@ -105,8 +110,17 @@ class Migrations:
             and not s.draining
             and s.account.can_reserve(seq.seq_id, need, self.config.watermark_blocks)
             and len(s.running) < self.config.max_num_seqs
+            and self._lora_fits(s, seq, adapters.get(s.name, set()))
         ]
         return max(fits, key=lambda s: s.account.num_free / s.account.num_blocks, default=None)
+
+    def _lora_fits(self, slot: WorkerSlot, seq: Sequence, moving: set[str]) -> bool:
+        """``seq``'s adapter may join ``slot`` with those moving there this round: at most
+        ``max_loras`` distinct adapters run on a worker (``WaitingQueue.lora_fits``' rule)."""
+        if seq.lora is None:
+            return True
+        held = {s.lora for s in slot.running if s.lora is not None} | moving
+        return seq.lora in held or len(held) < self.config.max_loras
 
     def done(self, order: MigrationOrder, result: MigrationResult | Exception) -> None:
         """Apply a source worker's answer: re-point each moved sequence to its destination; give the

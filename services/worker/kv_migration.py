@@ -38,6 +38,7 @@ class SeqSnapshot:
         ``kv_dtype`` (the blocks of its computed tokens, in table order); empty for a runner without K/V.
     A seeded request needs no generator state: the sampler seeds its noise per output position.
     runner_state: runner-specific bytes (the simulated runner's prompt key).
+    lora: the LoRA adapter it runs with (None: the base model).
     """
 
     seq_id: int
@@ -50,6 +51,7 @@ class SeqSnapshot:
     kv_dtype: str
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     runner_state: bytes = b""
+    lora: str | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -84,6 +86,8 @@ def to_parts(snap: SeqSnapshot, block_ids: list[int], fence: int) -> Iterator[pb
         kv_dtype=snap.kv_dtype,
         runner_state=snap.runner_state,
     )
+    if snap.lora is not None:
+        state.lora_name = snap.lora
     yield pb.KVPart(fence=fence, state=state, seq_id=snap.seq_id, last=not snap.layers)
     for i, (k, v) in enumerate(snap.layers):
         last = i == len(snap.layers) - 1
@@ -113,6 +117,7 @@ def from_parts(
                 convert.sampling_params_from_proto(st.params),
                 st.kv_dtype,
                 runner_state=bytes(st.runner_state),
+                lora=st.lora_name if st.HasField("lora_name") else None,
             )
             block_ids = list(st.block_ids)
         elif snap is None or part.seq_id != snap.seq_id or part.layer != len(snap.layers):
@@ -151,6 +156,7 @@ def export_model_seq(runner, seq_id: int) -> SeqSnapshot:
         st.params,
         str(kv.dtype).removeprefix("torch."),
         layers,
+        lora=seq.lora,
     )
 
 
@@ -171,15 +177,16 @@ def import_model_seq(runner, snap: SeqSnapshot, block_ids: list[int]) -> None:
         )
     if len(block_ids) * kv.block_size < snap.num_computed or len(block_ids) != snap.layers[0][0].shape[0]:
         raise SchedulerError(f"seq {snap.seq_id}: {len(block_ids)} blocks for {snap.num_computed} tokens")
+    if snap.lora is not None and (runner.lora is None or snap.lora not in runner.lora.adapters):
+        raise SchedulerError(f"seq {snap.seq_id}: LoRA adapter {snap.lora!r} is not served here")
     index = torch.tensor(block_ids, dtype=torch.long, device=kv.k[0].device)
     for (k, v), (dk, dv) in zip(snap.layers, zip(kv.k, kv.v, strict=True), strict=True):
         dk.index_copy_(0, index, k.to(dk.device))
         dv.index_copy_(0, index, v.to(dv.device))
     st = SeqSamplingState.create(snap.params, snap.prompt_token_ids, runner.device)
     st.output_token_ids = list(snap.output_token_ids)
-    runner.seq_table.adopt(
-        snap.seq_id, WorkerSeq(snap.num_computed, snap.last_token, st, snap.prompt_len, list(block_ids))
-    )
+    seq = WorkerSeq(snap.num_computed, snap.last_token, st, snap.prompt_len, list(block_ids), lora=snap.lora)
+    runner.seq_table.adopt(snap.seq_id, seq)
 
 
 def cache_layout(runner) -> tuple[tuple[int, ...] | None, torch.dtype | None]:

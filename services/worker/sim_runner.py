@@ -103,7 +103,16 @@ class SimulatedRunner:
         key = seq.sampling.key.to_bytes(8, "little")
         params = seq.sampling.params
         return SeqSnapshot(
-            seq_id, seq.num_computed, seq.last_token, seq.prompt_len, [], [], params, "", runner_state=key
+            seq_id,
+            seq.num_computed,
+            seq.last_token,
+            seq.prompt_len,
+            [],
+            [],
+            params,
+            "",
+            runner_state=key,
+            lora=seq.lora,
         )
 
     def import_seq(self, snap, block_ids: list[int]) -> None:
@@ -111,7 +120,9 @@ class SimulatedRunner:
         state = SimSeqState(snap.params, int.from_bytes(snap.runner_state, "little"))
         self.seq_table.adopt(
             snap.seq_id,
-            WorkerSeq(snap.num_computed, snap.last_token, state, snap.prompt_len, list(block_ids)),
+            WorkerSeq(
+                snap.num_computed, snap.last_token, state, snap.prompt_len, list(block_ids), lora=snap.lora
+            ),
         )
 
     def pass_seconds(self, plan: StepPlan) -> float:

@@ -31,12 +31,14 @@ PARAMS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    from lora_checkpoints import write_adapter
     from tiny_models import llama_config, write_checkpoint
 
     path = tmp_path_factory.mktemp("tiny-llama-2l")
     cfg = llama_config(max_position_embeddings=256)
-    write_checkpoint(cfg, path)
-    return path, cfg
+    hf = write_checkpoint(cfg, path)
+    adapter = write_adapter(hf, tmp_path_factory.mktemp("a8") / "a8", 8, ["q_proj", "v_proj", "down_proj"], 2)
+    return path, cfg, {"a8": str(adapter)}
 
 
 class _Worker:
@@ -70,12 +72,18 @@ def _decode(worker: _Worker, pos: int, n: int) -> list[int]:
     return [worker.run(SeqChunk(1, pos + i, 1, [], True)) for i in range(n)]
 
 
-def _model_runner(checkpoint):
+def _model_runner(checkpoint, lora: bool = False):
     from fuseserve.config import EngineConfig
     from fuseserve.worker.model_runner import ModelRunner
 
-    path, cfg = checkpoint
-    config = EngineConfig(device="cpu", dtype="float32", block_size=BLOCK, kv_cache_memory="1MiB")
+    path, cfg, adapters = checkpoint
+    config = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        block_size=BLOCK,
+        kv_cache_memory="1MiB",
+        lora_modules=adapters if lora else None,
+    )
     return ModelRunner(path, cfg, [0], config, progress=False)
 
 
@@ -104,6 +112,23 @@ def test_a_moved_sequence_decodes_on_the_destination_as_it_would_have_at_home(ch
         assert moved == stayed
     finally:
         for w in (home, src, dst):
+            w.close()
+
+
+def test_a_lora_sequence_moves_with_its_adapter_and_only_where_it_is_served(checkpoint):
+    home, src, dst = (_Worker(_model_runner(checkpoint, lora=True), taken) for taken in (0, 0, 3))
+    plain = _Worker(_model_runner(checkpoint))
+    try:
+        first = SeqChunk(1, 0, len(PROMPT), PROMPT, True, PARAMS["greedy"], len(PROMPT), lora="a8")
+        assert home.run(first) == src.run(SeqChunk(**{**vars(first), "block_ids": []}))
+        pos = len(PROMPT)
+        refused = _migrate(src, plain, 1, pos)  # a worker without the adapter does not take it
+        assert not refused.moved_seq_ids and "a8" in refused.error and 1 in src.runner.seqs
+        answer = _migrate(src, dst, 1, pos)
+        assert list(answer.moved_seq_ids) == [1] and dst.runner.seqs[1].lora == "a8"
+        assert _decode(dst, pos, 8) == _decode(home, pos, 8)  # decodes on under its adapter
+    finally:
+        for w in (home, src, dst, plain):
             w.close()
 
 
