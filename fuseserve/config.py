@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from fuseserve.device import parse_memory
-from fuseserve.errors import InvalidParameterError
+from fuseserve.errors import InvalidParameterError, InvalidRequestError
 from fuseserve.options import option
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -233,6 +233,21 @@ class EngineConfig:
                 raise InvalidParameterError("lora_modules", entry, "each adapter name once")
             paths[name.strip()] = path.strip()
         return paths
+
+    def lora_for(self, lora: str | list[str | None] | None, n: int) -> list[str | None]:
+        """The adapter of each of ``n`` prompts: ``lora`` for all, or one per prompt (None: the base
+        model). Raises ``InvalidRequestError`` for a count that does not match or an adapter that
+        ``lora_modules`` does not name."""
+        loras = list(lora) if isinstance(lora, list | tuple) else [lora] * n
+        if len(loras) != n:
+            raise InvalidRequestError(f"lora: {len(loras)} adapters for {n} prompts", param="lora")
+        known = list(self.lora_paths())
+        for name in loras:
+            if name is not None and name not in known:
+                raise InvalidRequestError(
+                    f"unknown LoRA adapter {name!r}; served: {known or 'none'} (lora_modules)", param="lora"
+                )
+        return loras
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` for an out-of-range field."""

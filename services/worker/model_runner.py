@@ -69,16 +69,7 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
         if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
             prepacked_linear.prepack(self.model)  # fp32, bf16 where native; FUSESERVE_PREPACK=0 off
-        self.lora: LoRAManager | None = None  # the adapters of ``lora_modules`` (lora_manager.py)
-        if self.config.lora_modules:
-            self.lora = LoRAManager(
-                self.model,
-                self.config.lora_paths(),
-                self.config.max_loras,
-                self.config.max_lora_rank,
-                self.dtype,
-                self.device,
-            )
+        self.lora = self._load_adapters()
         self.block_size = self.config.block_size
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)  # the cache's storage
         self.backend = backend or get_backend(
@@ -92,10 +83,7 @@ class ModelRunner:
         self.compiled: CompiledForward | None = None
         self.compile_s = 0.0  # seconds the warm-up compilation took (0 without compilation)
         if compiled_forward.wanted(self.config.compile) and parallel.world()[1] == 1:
-            if self.lora is None:
-                self._compile(progress)
-            else:
-                log.warning("LoRA adapters are served eagerly: the compiled forward does not take them")
+            self._compile(progress)
         num_blocks = self.kv_cache.num_blocks
         self.seq_table = SeqTable(
             num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
@@ -123,9 +111,21 @@ class ModelRunner:
             str(self.kv_dtype).split(".")[-1],
         )
 
+    def _load_adapters(self) -> LoRAManager | None:
+        """The adapters of ``config.lora_modules`` wrapped around the model (``lora_manager.py``);
+        None without any. Raises ``LoRAAdapterError`` for one that cannot be served."""
+        c = self.config
+        if not c.lora_modules:
+            return None
+        return LoRAManager(self.model, c.lora_paths(), c.max_loras, c.max_lora_rank, self.dtype, self.device)
+
     def _compile(self, progress: bool) -> None:
         """Compile the forward (``compiled_forward``) and run its warm-up; a model the compiler cannot
-        take whole (a data-dependent shape, say) is logged and runs eagerly."""
+        take whole (a data-dependent shape, say) is logged and runs eagerly. With LoRA adapters the
+        forward runs eagerly (the compiled forward does not take them)."""
+        if self.lora is not None:
+            log.warning("LoRA adapters are served eagerly: the compiled forward does not take them")
+            return
         budget = min(
             self.config.token_budget or DEFAULT_WARM_UP_TOKENS, self.model.args.max_position_embeddings
         )
