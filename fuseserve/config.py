@@ -200,8 +200,13 @@ class EngineConfig:
     lora_modules: list[str] | None = option(
         None,
         "LoRA adapters to serve, each NAME=PATH (a PEFT directory: adapter_config.json + "
-        "adapter_model.safetensors); a request names one (pipeline: lora=NAME) (default: none)",
-        commands=_RUNNER,
+        "adapter_model.safetensors); a request names one (pipeline: lora=NAME; the API: its model "
+        "NAME) (default: none)",
+        commands=(*_RUNNER, "gateway"),
+        help_for={
+            "gateway": "LoRA adapters served, NAME=PATH: a request whose model is NAME runs "
+            "with that adapter (the gateway reads only the names)"
+        },
         metavar="NAME=PATH",
     )
     max_loras: int = option(

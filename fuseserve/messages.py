@@ -197,7 +197,9 @@ def read_scheduler_stats(r) -> dict:
 @dataclass
 class RequestMessage:
     """A sequence to generate. ``params`` is ``SamplingParams.to_dict()``; ``arrival`` is epoch seconds;
-    ``cache_salt``: only sequences with the same salt share cached prefix blocks (None: no salt)."""
+    ``cache_salt``: only sequences with the same salt share cached prefix blocks (None: no salt);
+    ``lora``: the LoRA adapter it runs with (a name of the workers' ``lora_modules``; None: the base
+    model; left out of the JSON then, so a base request reads the same to a scheduler without it)."""
 
     seq_id: int
     request_id: str
@@ -206,9 +208,13 @@ class RequestMessage:
     params: dict
     arrival: float = 0.0
     cache_salt: str | None = None
+    lora: str | None = None
 
     def encode(self) -> dict[str, str]:
-        return {"data": json.dumps(asdict(self))}
+        data = asdict(self)
+        if self.lora is None:
+            del data["lora"]
+        return {"data": json.dumps(data)}
 
     @classmethod
     def decode(cls, fields: dict) -> RequestMessage:

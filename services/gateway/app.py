@@ -42,13 +42,7 @@ from fuseserve.gateway import utilities
 from fuseserve.gateway.admission import Admission
 from fuseserve.gateway.gateway_metrics import GatewayMetrics, MetricsMiddleware
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
-from fuseserve.gateway.http_errors import (
-    ModelNotFoundError,
-    RequestTooLargeError,
-    error_for,
-    install_handlers,
-    validation_error,
-)
+from fuseserve.gateway.http_errors import RequestTooLargeError, error_for, install_handlers, validation_error
 from fuseserve.gateway.limits import Limiter, install_guards
 from fuseserve.gateway.protocol import (
     ChatCompletionRequest,
@@ -58,6 +52,7 @@ from fuseserve.gateway.protocol import (
     field_policy,
 )
 from fuseserve.gateway.render import Renderer, sse
+from fuseserve.gateway.served_models import ServedModels
 from fuseserve.gateway.settings import GatewaySettings, settings_from_args
 from fuseserve.gateway.streams import ResponseRouter
 from fuseserve.messages import WorkerRecord
@@ -80,6 +75,7 @@ class Gateway:
         names = settings.served_model_name or self.source.name
         self.model_names = [names] if isinstance(names, str) else list(names)
         self.model_name = self.model_names[0]
+        self.served = ServedModels(self.model_names, settings.lora_modules)
         self.tokenizer = load_tokenizer(self.source, settings.tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
         self.encoder = build_encoder(
@@ -171,8 +167,7 @@ class Gateway:
         except ValidationError as e:
             raise validation_error(e) from None
         ignored = field_policy(req)
-        self.check_model(req.model)
-        return req, ignored
+        return req, ignored, self.check_model(req.model)
 
     async def live_workers(self) -> list[WorkerRecord]:
         """The live workers' records (``/v1/models`` reports their KV cache dtype); none while Redis
@@ -185,10 +180,10 @@ class Gateway:
             log.warning("cannot read the worker records: %s", e)
             return []
 
-    def check_model(self, name: str | None) -> None:
-        """Raise ``ModelNotFoundError`` (404) unless ``name`` is None or one of the served names."""
-        if name is not None and name not in self.model_names:
-            raise ModelNotFoundError(name, ", ".join(self.model_names))
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter ``name`` selects (None: the base model, or no name); raises
+        ``ModelNotFoundError`` (404) for a name that is not served (``served_models.py``)."""
+        return self.served.adapter_of(name)
 
     def parse_plain(self, model: type, data: dict):
         """A validated utility body (``/tokenize``, ``/detokenize``) whose ``model`` is served."""
@@ -241,7 +236,7 @@ class Gateway:
         except ClientDisconnect:  # gone while uploading: nothing to answer, nothing to log loudly
             log.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
             return Response(status_code=499)
-        req, ignored = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        req, ignored, lora = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
         headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         seqs = await self.sequences(req, chat)
         gen = Generation(
@@ -251,6 +246,7 @@ class Gateway:
             request_id=uuid.uuid4().hex,
             is_disconnected=request.is_disconnected,
             cache_salt=req.cache_salt,
+            lora=lora,
             poll_s=self.settings.disconnect_poll_s,
         )
         gen.arrival = arrival
@@ -346,7 +342,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         workers = await gw.live_workers()
         return {
             "object": "list",
-            "data": [utilities.model_card(gw, name, workers) for name in gw.model_names],
+            "data": [utilities.model_card(gw, name, workers) for name in gw.served.names],
         }
 
     @app.get("/v1/models/{model_id:path}")

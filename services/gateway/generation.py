@@ -55,6 +55,7 @@ class Generation:
     """The sequences of one HTTP request, sharing one event queue.
 
     is_disconnected: awaited every ``poll_s`` seconds while no event arrives; True aborts.
+    lora: the LoRA adapter every sequence runs with (None: the base model).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class Generation:
         is_disconnected: Callable[[], Awaitable[bool]],
         poll_s: float = 0.25,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ):
         self.router = router
         self.metrics = metrics
@@ -74,6 +76,7 @@ class Generation:
         self.is_disconnected = is_disconnected
         self.poll_s = poll_s
         self.cache_salt = cache_salt
+        self.lora = lora
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self._by_seq = {s.seq_id: s for s in seqs}
@@ -99,6 +102,7 @@ class Generation:
                 s.prompt_ids,
                 s.params.to_dict(),
                 cache_salt=self.cache_salt,
+                lora=self.lora,
             )
             for s in self.seqs
         ]

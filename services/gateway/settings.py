@@ -31,7 +31,9 @@ class GatewaySettings:
     scheduler heartbeat before requests in flight fail (503). scheduler_check_s: seconds between
     heartbeat checks. source: an already resolved model (skips resolution; tests). quantization:
     ``--quantization`` (``gguf``: a .gguf model resolves to the quantized conversion the workers load,
-    not to a float32 one).
+    not to a float32 one). lora_modules: the LoRA adapters the workers serve (``NAME=PATH`` entries or a
+    dict name → path; only the names are read): a request's ``model`` NAME selects one
+    (``served_models.py``).
     """
 
     redis_url: str
@@ -53,6 +55,7 @@ class GatewaySettings:
     scheduler_check_s: float = 0.5
     source: ModelSource | None = None
     quantization: str | None = None
+    lora_modules: list[str] | dict[str, str] | None = None
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -70,4 +73,5 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         api_keys=ApiKeys.load([args.api_key] if args.api_key else [], key_file=args.api_key_file),
         protect_metrics=args.protect_metrics,
         quantization=args.quantization,
+        lora_modules=args.lora_modules,
     )

@@ -19,6 +19,7 @@ def model_card(gw, name: str, workers: list[WorkerRecord]) -> dict:
     ``quant_method`` as the workers load it, e.g. ``gptq`` or ``gguf``; None for float weights) and
     ``kv_cache_dtype`` (the live ``workers``' KV cache storage, e.g. ``bfloat16`` or
     ``float8_e4m3fn``: one value, a sorted list when workers differ, None without a worker).
+    ``parent``: for a LoRA adapter the base model's id, else None (vLLM's card).
     """
     kv = sorted({w.kv_cache_dtype for w in workers if w.kv_cache_dtype})
     quant = sorted({w.quantization for w in workers if w.quantization})
@@ -28,6 +29,7 @@ def model_card(gw, name: str, workers: list[WorkerRecord]) -> dict:
         "created": 0,
         "owned_by": "fuseserve",
         "root": gw.model_name,
+        "parent": gw.served.parent_of(name),
         "max_model_len": gw.max_model_len,
         "quantization": _one_or_list(quant) if quant else gw.source.quantization,
         "kv_cache_dtype": _one_or_list(kv) if kv else None,

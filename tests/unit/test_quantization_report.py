@@ -36,10 +36,14 @@ def test_worker_record_carries_quantization_and_kv_dtype_and_reads_old_records()
 
 
 def test_model_card_reports_quantization_and_kv_cache_dtype():
+    from fuseserve.gateway.served_models import ServedModels
     from fuseserve.gateway.utilities import model_card
 
     gw = types.SimpleNamespace(
-        model_name="m", max_model_len=512, source=types.SimpleNamespace(quantization=None)
+        model_name="m",
+        max_model_len=512,
+        source=types.SimpleNamespace(quantization=None),
+        served=ServedModels(["m"]),
     )
     rec = lambda kv, q=None: WorkerRecord(
         "w", "h:1", "m", 16, 10, 512, 100, [2], 64, quantization=q, kv_cache_dtype=kv

@@ -177,7 +177,9 @@ class SchedulerService:
                 continue
             try:
                 params = SamplingParams.from_dict(msg.params)
-                seq = Sequence(msg.seq_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt)
+                seq = Sequence(
+                    msg.seq_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt, lora=msg.lora
+                )
                 self.core.add_request(seq)
             except FuseServeError as e:
                 errors[msg.gateway_id].append(

@@ -1,0 +1,54 @@
+"""The names a gateway serves: the base model's and its LoRA adapters' (vLLM's ``--lora-modules``).
+
+A request's ``model`` picks what runs: a name of the base model (``--served-model-name``, default the
+model's own) runs the base model; an adapter's name runs the base model with that adapter (the
+``lora`` of its ``RequestMessage``, which the scheduler puts on the ``Sequence``); any other name is
+a 404. ``/v1/models`` lists the base names, then the adapters, each with ``parent`` set to the base
+model's id (OpenAI's and vLLM's model card). The gateway reads only the adapters' names; the workers
+load their weights (``services/worker/lora_manager.py``).
+"""
+
+from __future__ import annotations
+
+from fuseserve.config import EngineConfig
+from fuseserve.errors import InvalidParameterError
+from fuseserve.gateway.http_errors import ModelNotFoundError
+
+
+class ServedModels:
+    """The model names one gateway answers to.
+
+    base_names: the base model's names (the first is its id). lora_modules: the adapters,
+    ``NAME=PATH`` entries or a dict name → path (``EngineConfig.lora_modules``; None: none).
+    Raises ``InvalidParameterError`` for a malformed entry or an adapter named like the base model.
+    """
+
+    def __init__(self, base_names: list[str], lora_modules: list[str] | dict[str, str] | None = None):
+        self.base_names = list(base_names)
+        self.lora_names = list(EngineConfig(lora_modules=lora_modules).lora_paths())
+        for name in self.lora_names:
+            if name in self.base_names:
+                raise InvalidParameterError("lora_modules", name, "adapter names other than the model's")
+
+    @property
+    def base(self) -> str:
+        """The base model's id (the ``parent`` of every adapter)."""
+        return self.base_names[0]
+
+    @property
+    def names(self) -> list[str]:
+        """Every served name, as ``/v1/models`` lists them: the base names, then the adapters."""
+        return self.base_names + self.lora_names
+
+    def adapter_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` runs with: None for the base model (or no name).
+        Raises ``ModelNotFoundError`` (404) for a name that is neither."""
+        if name is None or name in self.base_names:
+            return None
+        if name in self.lora_names:
+            return name
+        raise ModelNotFoundError(name, ", ".join(self.names))
+
+    def parent_of(self, name: str) -> str | None:
+        """``name``'s parent model: the base model's id for an adapter, None for a base name."""
+        return self.base if name in self.lora_names else None
