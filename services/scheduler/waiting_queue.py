@@ -115,9 +115,10 @@ class WaitingQueue:
         running sequence for its next decode. Every candidate must pass rule 2. Soonest: the smallest
         ``placement.seconds_per_share`` (sequences in proportion to measured speed); ties (no
         measurement yet) go to the worker with the larger share of free blocks, then fewer running
-        sequences. With prefix-aware placement, the workers loaded near the least
-        (``placement.near_least_loaded``) are candidates first and the one caching the most of the
-        prompt wins.
+        sequences. Among the workers loaded near the least (``placement.near_least_loaded``: the
+        balance guard), one caching more of the prompt (with prefix-aware placement) wins, then one
+        where ``seq``'s LoRA adapter is resident (``lora_resident``: no slot to load, no slot taken
+        from another adapter).
         """
         candidates = [s for s in here if self.can_admit(s, seq)]
         if elsewhere:
@@ -143,12 +144,23 @@ class WaitingQueue:
             return (round(shares[i], 9), -s.account.num_free / s.account.num_blocks, len(s.running))
 
         order = range(len(candidates))
+        hits = [0] * len(candidates)
         if self.config.enable_prefix_caching and self.config.prefix_aware_placement:
             hits = [len(self.prefix_hit(s, seq)) for s in candidates]
-            if any(hits):  # follow the prefix among the workers loaded near the least
-                near = near_least_loaded(shares, [len(s.running) for s in candidates])
-                return candidates[min((i for i in order if near[i]), key=lambda i: (-hits[i], key(i)))]
+        resident = [self.lora_resident(s, seq) for s in candidates]
+        if any(hits) or any(
+            resident
+        ):  # follow the prefix, then the adapter, among those loaded near the least
+            near = near_least_loaded(shares, [len(s.running) for s in candidates])
+            best = min((i for i in order if near[i]), key=lambda i: (-hits[i], -resident[i], key(i)))
+            return candidates[best]
         return candidates[min(order, key=key)]
+
+    @staticmethod
+    def lora_resident(slot: WorkerSlot, seq: Sequence) -> bool:
+        """``seq`` runs with a LoRA adapter that one of ``slot``'s running sequences runs with (so it
+        sits in one of that worker's adapter slots)."""
+        return seq.lora is not None and any(s.lora == seq.lora for s in slot.running)
 
     @staticmethod
     def _queued_prompt_tokens(slot: WorkerSlot) -> int:

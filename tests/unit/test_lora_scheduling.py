@@ -10,6 +10,7 @@ from scheduler_harness import check_free, greedy, make_engine
 
 from fuseserve.block_hash import root_hash
 from fuseserve.scheduler.sequence import Sequence
+from fuseserve.scheduler.waiting_queue import WaitingQueue
 
 
 def test_a_prefix_is_shared_only_under_the_same_adapter():
@@ -75,3 +76,33 @@ def test_a_request_whose_adapter_has_no_room_does_not_hold_up_the_queue():
     eng.run()
     assert len(eng.finish) == 4
     check_free(eng)
+
+
+def _place_adapter_run(eng) -> dict[int, str]:
+    """Sequence 0 (adapter "a", a long prompt) and 1 (the base, a short one) start on different
+    workers; then ten "a" sequences come one by one. Returns seq_id → worker."""
+    eng.add(Sequence(0, [7] * 40, greedy(200), lora="a"))
+    eng.step()
+    eng.add(Sequence(1, [8] * 5, greedy(200)))
+    eng.step()
+    for sid in range(2, 12):
+        eng.add(Sequence(sid, [sid] * 5, greedy(200), lora="a"))
+        eng.step()
+    return {sid: s.worker for sid, s in eng.sched.seqs.items()}
+
+
+def test_placement_goes_where_the_adapter_runs_within_the_balance_guard(monkeypatch):
+    """An "a" sequence goes to the worker already running "a" (fewer free blocks there: the load-based
+    choice alone picks the other, as the residency-blind run shows), until that worker is loaded past
+    the balance guard (``placement.near_least_loaded``): then it goes elsewhere."""
+    workers = {"w0": 1000, "w1": 1000}
+    on = _place_adapter_run(make_engine(budget=64, block_size=4, workers=workers, max_loras=2))
+    home, other = on[0], on[1]
+    assert home != other
+    assert on[2] == home, "the adapter is resident there"
+    assert other in [on[s] for s in range(3, 12)], "one adapter must not pile everything onto one worker"
+    n_home = sum(1 for w in on.values() if w == home)
+    assert n_home <= 1.5 * (len(on) - n_home + 1) + 2
+    monkeypatch.setattr(WaitingQueue, "lora_resident", staticmethod(lambda slot, seq: False))
+    blind = _place_adapter_run(make_engine(budget=64, block_size=4, workers=workers, max_loras=2))
+    assert blind[2] == blind[1] != blind[0], "residency-blind: the emptier worker"
