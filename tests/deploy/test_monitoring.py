@@ -196,8 +196,9 @@ def test_promtool_accepts_config_and_rules(tmp_path):
 def test_scheduler_passes_budget_and_queue_time_counted_once():
     from fuseserve.types import SeqChunk, StepPlan
 
-    slots = {"w0": SimpleNamespace(token_budget=256)}
-    core = SimpleNamespace(scheduler=SimpleNamespace(slots=slots, pass_observers=[]), on_plans=None)
+    slots = {"w0": SimpleNamespace(token_budget=256, running=[])}
+    scheduler = SimpleNamespace(slots=slots, waiting=[], pass_observers=[])
+    core = SimpleNamespace(scheduler=scheduler, on_plans=None)
     m = SchedulerMetrics(None)
     m.queue_depth.set(3)  # before the first worker: labelled "unknown", dropped by set_model
     m.set_model("m")

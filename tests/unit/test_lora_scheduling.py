@@ -106,3 +106,29 @@ def test_placement_goes_where_the_adapter_runs_within_the_balance_guard(monkeypa
     monkeypatch.setattr(WaitingQueue, "lora_resident", staticmethod(lambda slot, seq: False))
     blind = _place_adapter_run(make_engine(budget=64, block_size=4, workers=workers, max_loras=2))
     assert blind[2] == blind[1] != blind[0], "residency-blind: the emptier worker"
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters():
+    """vLLM's ``lora_requests_info``: adapters running (sorted, comma-joined), adapters waiting (here
+    "c", which has no slot while "a" and "b" run with ``max_loras`` 2), ``max_lora``; value: now."""
+    import time
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fuseserve.scheduler.service.scheduler_metrics import SchedulerMetrics
+
+    eng = make_engine(budget=64, block_size=4, max_loras=2)
+    metrics = SchedulerMetrics(None, max_loras=2)
+    metrics.scheduler = eng.sched
+    for sid, lora in enumerate(["b", None, "a", "c", "a"]):
+        eng.add(Sequence(sid, [sid + 1] * 6, greedy(20), lora=lora))
+    eng.step()
+    before = time.time()
+    text = generate_latest(metrics.registry).decode()
+    (fam,) = [f for f in text_string_to_metric_families(text) if f.name == "fuseserve_lora_requests_info"]
+    (sample,) = fam.samples
+    assert sample.labels["running_lora_adapters"] == "a,b"
+    assert sample.labels["waiting_lora_adapters"] == "c"
+    assert sample.labels["max_lora"] == "2"
+    assert before <= sample.value <= time.time()

@@ -57,9 +57,10 @@ def test_schedulers_summed_and_pass_fullness_a_ratio_of_sums():
     schedulers = {}
     for name, budget, waiting in (("a", 100, 2), ("b", 1000, 5)):
         m = SchedulerMetrics(None)
-        slots = {f"w-{name}": SimpleNamespace(token_budget=budget)}
+        slots = {f"w-{name}": SimpleNamespace(token_budget=budget, running=[])}
         m.set_model("m")
-        m.watch(SimpleNamespace(scheduler=SimpleNamespace(slots=slots, pass_observers=[]), on_plans=None))
+        scheduler = SimpleNamespace(slots=slots, waiting=[], pass_observers=[])
+        m.watch(SimpleNamespace(scheduler=scheduler, on_plans=None))
         m.queue_depth.set(waiting)
         m.workers.set(1)
         schedulers[name] = m

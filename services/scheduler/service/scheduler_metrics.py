@@ -52,16 +52,47 @@ class _Budgets:
         yield fam
 
 
+class _LoRAInfo:
+    """Collector: vLLM's ``lora_requests_info`` as ``fuseserve_lora_requests_info``, read from the
+    scheduler at scrape time. Labels: ``running_lora_adapters`` / ``waiting_lora_adapters`` (the
+    sorted, comma-joined adapters of the sequences running on its workers / waiting in its queue;
+    empty: none) and ``max_lora`` (adapter slots per worker); the value is the epoch time they were
+    read (vLLM's convention: the newest sample holds the current labels). One series at a time."""
+
+    def __init__(self, metrics: SchedulerMetrics, max_loras: int):
+        self.metrics = metrics
+        self.max_loras = max_loras
+
+    def collect(self):
+        fam = GaugeMetricFamily(
+            "fuseserve_lora_requests_info",
+            "LoRA adapters of the running and the waiting sequences (labels); value: epoch seconds read",
+            labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        scheduler = self.metrics.scheduler
+        if scheduler is not None:
+            running = [s for slot in list(scheduler.slots.values()) for s in list(slot.running)]
+            labels = [_adapters(running), _adapters(list(scheduler.waiting)), str(self.max_loras)]
+            fam.add_metric([self.metrics.model_name, *labels], time.time())
+        yield fam
+
+
+def _adapters(seqs) -> str:
+    """The sorted, comma-joined LoRA adapters of ``seqs`` (the base model is none)."""
+    return ",".join(sorted({s.lora for s in seqs if s.lora is not None}))
+
+
 class SchedulerMetrics:
     """The scheduler's metrics; ``port`` (None: not served; 0: a free one, then ``self.port``) starts
-    prometheus-client's HTTP server.
+    prometheus-client's HTTP server; ``max_loras``: the ``max_lora`` label of
+    ``fuseserve_lora_requests_info``.
 
     ``queue_depth``, ``running``, ``workers`` (gauges), ``preemptions``, ``prefix_cache_queries``,
     ``prefix_cache_hits`` (counters; the last two in prompt tokens), ``cpu_per_step``,
     ``worker_idle`` (histograms, seconds) are children bound to the current ``model_name``.
     """
 
-    def __init__(self, port: int | None):
+    def __init__(self, port: int | None, max_loras: int = 1):
         self.registry = r = CollectorRegistry()
         self.model_name = UNKNOWN_MODEL
         self.scheduler = None  # set by ``watch``
@@ -69,6 +100,7 @@ class SchedulerMetrics:
         self._define_counts(r)
         self._define_histograms(r)
         r.register(_Budgets(self))
+        r.register(_LoRAInfo(self, max_loras))
         self._families = (
             self._waiting,
             self._running,

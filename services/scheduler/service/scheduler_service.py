@@ -112,7 +112,7 @@ class SchedulerService:
         self.inbox = RedisInbox(self.r, self.consumer, wake=self.core.wakeup)
         self.conn = redis_io.LoopConnection(self.r)  # the loop's writes and periodic reads
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
-        self.metrics = SchedulerMetrics(metrics_port)
+        self.metrics = SchedulerMetrics(metrics_port, config.max_loras)
         self.leases = WorkerLeases(
             self.r, self.consumer, self.core, self.metrics, io=self.io, timings=self.timings
         )
