@@ -16,10 +16,10 @@ MODEL = "smollm2-135m-instruct"
 
 @contextlib.contextmanager
 def local_stack(
-    token_budget: int, kv_cache_memory: str, dtype: str | None = None, schedulers: int = 1
+    token_budget: int, kv_cache_memory: str, dtype: str | None = None, schedulers: int = 1, **options
 ) -> Iterator[tuple[object, str]]:
-    """``fuseserve.serve`` with 2 CPU workers (1 thread each) and ``schedulers`` schedulers; yields
-    ``(stack, base_url)``."""
+    """``fuseserve.serve`` with 2 CPU workers (1 thread each) and ``schedulers`` schedulers (``options``:
+    more ``serve`` options, e.g. ``lora_modules``); yields ``(stack, base_url)``."""
     import fuseserve
 
     with fuseserve.serve(
@@ -32,6 +32,7 @@ def local_stack(
         device="cpu",
         dtype=dtype,
         threads=1,
+        **options,
     ) as server:
         yield server.stack, server.url
 
