@@ -5,7 +5,8 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
 ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``,
 ``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 without a live scheduler or worker, or without Redis),
-``GET /metrics`` (Prometheus). With API keys configured every path but ``/health`` (and ``/metrics``
+``GET /metrics`` (Prometheus). A request's ``model`` names the base model or one of its LoRA adapters
+(``served_models.py``). With API keys configured every path but ``/health`` (and ``/metrics``
 unless protected) needs one (``auth.py``); ``limits.py`` bounds what one request may cost. A
 request is validated, tokenized and checked against the context and the scheduler's queue *before*
 anything is sent; then each sequence gets a ``seq_id`` (INCR),
