@@ -79,6 +79,48 @@ def seconds_per_share(
     return (num_seqs + 1) * t / token_budget
 
 
+def expected_finish(
+    model: StepTimeModel,
+    fallback: StepTimeModel | None,
+    token_budget: int,
+    num_running: int,
+    queued_tokens: int,
+    inflight_tokens: list[int],
+    prompt_tokens: int,
+    output_tokens: int,
+) -> float:
+    """Seconds until a new sequence placed on this worker now would finish (expected completion).
+
+    The worker holds ``num_running`` sequences, ``queued_tokens`` prompt tokens placed on it and not
+    planned yet, and plans in flight of ``inflight_tokens`` tokens each; the new sequence brings
+    ``prompt_tokens`` to compute (past any cached prefix) and ``output_tokens`` to generate. With
+    ``t(n)`` the fitted pass time (``fallback``'s for a worker with no measured pass; 0.0 when neither
+    has one: no information, the caller breaks the tie):
+
+    - passes in flight: ``t(n)`` each, the first counted half (it is under way);
+    - prefill: the queued prompts, then this one, go through passes of ``token_budget`` tokens of
+      which the running decodes take one each, so ``(queued + prompt) / (budget - running)`` passes of
+      ``t(budget)`` (one pass of ``t(running + queued + prompt)`` when that fits in one);
+    - decode: ``output_tokens - 1`` passes holding the running sequences and this one,
+      ``t(running + 1)`` each.
+
+    Increasing in every load term (queue, running sequences, passes in flight). On a worker whose
+    pass time hardly grows with the batch (``a`` of ``a + b x n`` dominant) a faster worker wins even
+    with many sequences: a slower worker is only used once the faster one's queue or batch makes it
+    the later finish.
+    """
+    if model.seconds(1) is None:
+        model = fallback if fallback is not None else model
+    if model.seconds(1) is None:
+        return 0.0
+    t = model.seconds
+    ahead = sum(t(n) for n in inflight_tokens) - (0.5 * t(inflight_tokens[0]) if inflight_tokens else 0.0)
+    room = max(1, token_budget - num_running)
+    tokens = queued_tokens + prompt_tokens
+    prefill = t(num_running + tokens) if tokens <= room else tokens / room * t(token_budget)
+    return ahead + prefill + max(0, output_tokens - 1) * t(num_running + 1)
+
+
 #: prefix-aware placement considers the workers whose load is within this factor of the least
 #: loaded worker's, plus ``BALANCE_SLACK_SEQS`` sequences (SGLang's cache-aware router uses the same
 #: guard: follow the prefix while the load is balanced, else the least loaded)

@@ -14,7 +14,12 @@ import itertools
 from fuseserve.block_hash import root_hash
 from fuseserve.config import EngineConfig
 from fuseserve.scheduler.core_stats import SchedulerCounters
-from fuseserve.scheduler.placement import near_least_loaded, seconds_per_share
+from fuseserve.scheduler.placement import (
+    StepTimeModel,
+    expected_finish,
+    near_least_loaded,
+    seconds_per_share,
+)
 from fuseserve.scheduler.sequence import SeqStatus, Sequence
 from fuseserve.scheduler.worker_registry import WorkerRegistry
 from fuseserve.scheduler.worker_slot import WorkerSlot
@@ -94,17 +99,20 @@ class WaitingQueue:
     def place(
         self, seq: Sequence, here: list[WorkerSlot], elsewhere: bool, planning: list[WorkerSlot]
     ) -> WorkerSlot | None:
-        """The worker that would serve ``seq`` soonest, or None when none can take it now.
+        """The worker expected to finish ``seq`` soonest, or None when it cannot be placed now.
 
         ``here``: workers being planned whose pass has room for the prompt. ``elsewhere``: workers
         not being planned (``planning``) are candidates too, while their queued prompt tokens are
         under one pass (a prompt is bound to a worker at most a pass ahead) and they keep a block per
         running sequence for its next decode. Every candidate must pass rule 2. Soonest: the smallest
-        ``placement.seconds_per_share`` (sequences in proportion to measured speed); ties (no
+        ``placement.expected_finish`` (its prompt and output on that worker, from the worker's
+        measured pass times, running sequences, queued prompts and plans in flight); ties (no
         measurement yet) go to the worker with the larger share of free blocks, then fewer running
-        sequences. With prefix-aware placement, the workers loaded near the least
-        (``placement.near_least_loaded``) are candidates first and the one caching the most of the
-        prompt wins.
+        sequences. When a worker that is no candidate now (its pass or queue is full) but could take
+        ``seq`` is expected to finish it sooner than every candidate, ``seq`` waits for it (None):
+        a sequence is not put on a slow worker that a fast one would finish first. With prefix-aware
+        placement, the workers loaded near the least (``placement.near_least_loaded``) are
+        candidates first and the one caching the most of the prompt wins.
         """
         candidates = [s for s in here if self.can_admit(s, seq)]
         if elsewhere:
@@ -117,25 +125,49 @@ class WaitingQueue:
                     candidates.append(slot)
         if not candidates:
             return None
-        if len(candidates) == 1:
-            return candidates[0]
         measured = [s.step_time for s in self.registry.slots.values() if s.step_time.seconds(1) is not None]
         fallback = measured[0] if measured else None
-        shares = [
-            seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running)) for s in candidates
-        ]
+        finish = [self._expected_finish(s, seq, fallback) for s in candidates]
+        soonest = min(finish)
+        for slot in self.registry.slots.values():
+            if (
+                slot not in candidates
+                and self.can_admit(slot, seq)
+                and self._expected_finish(slot, seq, fallback) < soonest
+            ):
+                return None
+        if len(candidates) == 1:
+            return candidates[0]
 
         def key(i: int):
             s = candidates[i]
-            return (round(shares[i], 9), -s.account.num_free / s.account.num_blocks, len(s.running))
+            return (round(finish[i], 9), -s.account.num_free / s.account.num_blocks, len(s.running))
 
         order = range(len(candidates))
         if self.config.enable_prefix_caching and self.config.prefix_aware_placement:
             hits = [len(self.prefix_hit(s, seq)) for s in candidates]
             if any(hits):  # follow the prefix among the workers loaded near the least
+                shares = [
+                    seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running))
+                    for s in candidates
+                ]
                 near = near_least_loaded(shares, [len(s.running) for s in candidates])
                 return candidates[min((i for i in order if near[i]), key=lambda i: (-hits[i], key(i)))]
         return candidates[min(order, key=key)]
+
+    def _expected_finish(self, slot: WorkerSlot, seq: Sequence, fallback: StepTimeModel | None) -> float:
+        """``placement.expected_finish`` of ``seq`` on ``slot`` (its cached prefix not computed)."""
+        cached = len(self.prefix_hit(slot, seq)) * slot.account.block_size
+        return expected_finish(
+            slot.step_time,
+            fallback,
+            slot.token_budget,
+            len(slot.running),
+            self._queued_prompt_tokens(slot),
+            [f.num_tokens for f in slot.inflight],
+            seq.num_tokens - cached,
+            seq.params.max_new_tokens - len(seq.output_token_ids),
+        )
 
     @staticmethod
     def _queued_prompt_tokens(slot: WorkerSlot) -> int:
