@@ -46,8 +46,8 @@ class StepTimeModel:
         mx = sum(x for x, _ in samples) / n
         my = sum(y for _, y in samples) / n
         sxx = sum((x - mx) ** 2 for x, _ in samples)
-        if sxx <= 1e-9:  # every pass had the same size: no slope to learn, time proportional to tokens
-            return (0.0, my / mx)
+        if sxx <= 1e-9:  # every pass had the same size: no slope to learn, the same time at any size
+            return (my, 0.0)
         b = max(0.0, sum((x - mx) * (y - my) for x, y in samples) / sxx)
         return (max(0.0, my - b * mx), b)
 

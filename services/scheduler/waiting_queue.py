@@ -110,7 +110,10 @@ class WaitingQueue:
         measurement yet) go to the worker with the larger share of free blocks, then fewer running
         sequences. When a worker that is no candidate now (its pass or queue is full) but could take
         ``seq`` is expected to finish it sooner than every candidate, ``seq`` waits for it (None):
-        a sequence is not put on a slow worker that a fast one would finish first. With prefix-aware
+        a sequence is not put on a slow worker that a fast one would finish first. Unless the queue
+        behind ``seq`` is long: the waiting sequences are alike, so placing ``seq`` on the candidate
+        now is as good as placing the queue's last one there, and that one, with every queued prompt
+        ahead of it on the faster worker, would finish later there than ``seq`` on the candidate. With prefix-aware
         placement, the workers loaded near the least (``placement.near_least_loaded``) are
         candidates first and the one caching the most of the prompt wins.
         """
@@ -129,13 +132,17 @@ class WaitingQueue:
         fallback = measured[0] if measured else None
         finish = [self._expected_finish(s, seq, fallback) for s in candidates]
         soonest = min(finish)
+        behind = None
         for slot in self.registry.slots.values():
             if (
                 slot not in candidates
                 and self.can_admit(slot, seq)
                 and self._expected_finish(slot, seq, fallback) < soonest
             ):
-                return None
+                if behind is None:
+                    behind = sum(s.num_tokens for s in self.waiting if s is not seq)
+                if self._expected_finish(slot, seq, fallback, behind) < soonest:
+                    return None
         if len(candidates) == 1:
             return candidates[0]
 
@@ -155,15 +162,18 @@ class WaitingQueue:
                 return candidates[min((i for i in order if near[i]), key=lambda i: (-hits[i], key(i)))]
         return candidates[min(order, key=key)]
 
-    def _expected_finish(self, slot: WorkerSlot, seq: Sequence, fallback: StepTimeModel | None) -> float:
-        """``placement.expected_finish`` of ``seq`` on ``slot`` (its cached prefix not computed)."""
+    def _expected_finish(
+        self, slot: WorkerSlot, seq: Sequence, fallback: StepTimeModel | None, ahead: int = 0
+    ) -> float:
+        """``placement.expected_finish`` of ``seq`` on ``slot`` (its cached prefix not computed), with
+        ``ahead`` more prompt tokens queued there before it."""
         cached = len(self.prefix_hit(slot, seq)) * slot.account.block_size
         return expected_finish(
             slot.step_time,
             fallback,
             slot.token_budget,
             len(slot.running),
-            self._queued_prompt_tokens(slot),
+            self._queued_prompt_tokens(slot) + ahead,
             [f.num_tokens for f in slot.inflight],
             seq.num_tokens - cached,
             seq.params.max_new_tokens - len(seq.output_token_ids),

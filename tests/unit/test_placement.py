@@ -115,3 +115,23 @@ def test_a_sequence_waits_for_a_faster_worker_rather_than_go_to_a_slower_one_wit
     s = seq(2)
     alone.add(s)
     assert alone.queue.place(s, [alone.slots["slow"]], elsewhere=True, planning=[alone.slots["slow"]])
+
+
+def test_a_long_queue_behind_sends_the_sequence_to_the_slower_worker_with_room():
+    """The queued sequences are alike: placing the first on the slow worker now is as good as placing
+    the last there, and with every queued prompt ahead of it the fast worker would finish that one
+    later than the slow worker finishes this one."""
+    sched = scheduler({"fast": FAST, "slow": SLOW})
+    fast, slow = sched.slots["fast"], sched.slots["slow"]
+    queue = sched.queue
+    first = seq(0, prompt=300)
+    sched.add(first)
+    queue.admit(fast, first)  # the fast worker's queue is a pass deep: no candidate now
+    head = seq(1)
+    sched.add(head)
+    for i in range(2, 12):  # 10 x 200 queued tokens behind: the fast worker still wins
+        sched.add(seq(i))
+    assert queue.place(head, [slow], elsewhere=True, planning=[slow]) is None
+    for i in range(12, 80):  # 78 behind: its last one would finish sooner on the slow worker
+        sched.add(seq(i))
+    assert queue.place(head, [slow], elsewhere=True, planning=[slow]) is slow
