@@ -1,13 +1,19 @@
-"""Placement by capacity: each worker's measured step-time curve gives its speed; sequences are
-shared out in proportion to speed.
+"""Placement by expected completion: each worker's measured step-time curve says when a new
+sequence would finish there; it goes where that is soonest.
 
 A worker reports the seconds of every pass (``StepResult.forward_seconds``). Pass time is close to
 linear in the tokens of the pass (``seconds ≈ a + b x tokens``, the paper's measured fact that latency
-depends mainly on the token count), so each worker keeps a least-squares fit over its recent passes,
-and its speed is ``budget / t(budget)`` tokens per second at a full pass. A new sequence goes where
-``(sequences held + 1) / speed`` is smallest: every worker then holds sequences in proportion to its
-speed, its passes are as full as the others', and a sequence waits about as long wherever it is
-placed. A worker 3x slower holds, and serves, about a third as much.
+depends mainly on the token count), so each worker keeps a least-squares fit over its recent passes.
+``expected_finish`` turns the line, the worker's running sequences, queued prompt tokens and plans in
+flight into the seconds a new sequence would take there (its prompt, then its output). Where ``a``
+dominates (GPU decode passes bound by the weights' bandwidth) batching is nearly free, so a 3x-slower
+worker only finishes a sequence sooner once the faster one is loaded well past its own batch: at light
+load everything goes to the fast worker, which serves each request about 3x sooner; under a long queue
+the slower worker takes the queue's head when the queue's last request would finish later on the
+faster one (``WaitingQueue.place``).
+
+``seconds_per_share`` (``(sequences + 1) x t(budget) / budget``) is the earlier rule, shares in
+proportion to speed; it remains the load measure of the prefix-aware guard (``near_least_loaded``).
 """
 
 from __future__ import annotations
