@@ -2,8 +2,9 @@
 
 A queued sequence is admitted onto a worker only when blocks exist for its whole remaining prompt
 (past the prefix its worker already caches) plus a watermark; among the workers that can take it,
-it goes where it is served soonest (``fuseserve.scheduler.placement``), or with prefix-aware
-placement where most of its prompt is cached among the workers loaded near the least.
+it goes where it is expected to finish soonest (``fuseserve.scheduler.placement``), or waits for a
+busier worker that would finish it sooner; with prefix-aware placement, where most of its prompt is
+cached among the workers loaded near the least.
 """
 
 from __future__ import annotations
