@@ -109,14 +109,9 @@ class WaitingQueue:
         ``placement.expected_finish`` (its prompt and output on that worker, from the worker's
         measured pass times, running sequences, queued prompts and plans in flight); ties (no
         measurement yet) go to the worker with the larger share of free blocks, then fewer running
-        sequences. When a worker that is no candidate now (its pass or queue is full) but could take
-        ``seq`` is expected to finish it sooner than every candidate, ``seq`` waits for it (None):
-        a sequence is not put on a slow worker that a fast one would finish first. Unless the queue
-        behind ``seq`` is long: the waiting sequences are alike, so placing ``seq`` on the candidate
-        now is as good as placing the queue's last one there, and that one, with every queued prompt
-        ahead of it on the faster worker, would finish later there than ``seq`` on the candidate. With prefix-aware
-        placement, the workers loaded near the least (``placement.near_least_loaded``) are
-        candidates first and the one caching the most of the prompt wins.
+        sequences. None too when ``seq`` waits for a faster worker (``_waits_for_faster``). With
+        prefix-aware placement, the workers loaded near the least (``placement.near_least_loaded``)
+        are candidates first and the one caching the most of the prompt wins.
         """
         candidates = [s for s in here if self.can_admit(s, seq)]
         if elsewhere:
@@ -132,18 +127,8 @@ class WaitingQueue:
         measured = [s.step_time for s in self.registry.slots.values() if s.step_time.seconds(1) is not None]
         fallback = measured[0] if measured else None
         finish = [self._expected_finish(s, seq, fallback) for s in candidates]
-        soonest = min(finish)
-        behind = None
-        for slot in self.registry.slots.values():
-            if (
-                slot not in candidates
-                and self.can_admit(slot, seq)
-                and self._expected_finish(slot, seq, fallback) < soonest
-            ):
-                if behind is None:
-                    behind = sum(s.num_tokens for s in self.waiting if s is not seq)
-                if self._expected_finish(slot, seq, fallback, behind) < soonest:
-                    return None
+        if self._waits_for_faster(seq, candidates, min(finish), fallback):
+            return None
         if len(candidates) == 1:
             return candidates[0]
 
@@ -162,6 +147,28 @@ class WaitingQueue:
                 near = near_least_loaded(shares, [len(s.running) for s in candidates])
                 return candidates[min((i for i in order if near[i]), key=lambda i: (-hits[i], key(i)))]
         return candidates[min(order, key=key)]
+
+    def _waits_for_faster(
+        self, seq: Sequence, candidates: list[WorkerSlot], soonest: float, fallback: StepTimeModel | None
+    ) -> bool:
+        """Whether ``seq`` should wait for a worker that is no candidate now (its pass or queue is
+        full) but could take it: one expected to finish it sooner than ``soonest`` (the best
+        candidate's), so a sequence is not put on a slow worker that a fast one would finish first.
+        Unless the queue behind ``seq`` is long: the waiting sequences are alike, so placing ``seq``
+        on the candidate now is as good as placing the queue's last one there, and that one, with
+        every queued prompt ahead of it on the faster worker, would finish later there."""
+        behind = None
+        for slot in self.registry.slots.values():
+            if (
+                slot not in candidates
+                and self.can_admit(slot, seq)
+                and self._expected_finish(slot, seq, fallback) < soonest
+            ):
+                if behind is None:
+                    behind = sum(s.num_tokens for s in self.waiting if s is not seq)
+                if self._expected_finish(slot, seq, fallback, behind) < soonest:
+                    return True
+        return False
 
     def _expected_finish(
         self, slot: WorkerSlot, seq: Sequence, fallback: StepTimeModel | None, ahead: int = 0
