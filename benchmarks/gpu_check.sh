@@ -14,7 +14,8 @@
 # Steps (each under its own time limit, so a slow one cannot eat the others' time):
 #   env          versions, GPU, which attention backends can run here
 #   kernels      tests/unit/test_triton_kernels.py + test_triton_quant_linear.py (W4A16 / W8A16 GEMM)
-#                + test_flash_attn_kernel.py + the reference's test + test_fp8_kv_cache.py (fp8 KV cache),
+#                + test_flash_attn_kernel.py + the reference's test + test_fp8_kv_cache.py (fp8 KV cache)
+#                + test_lora_kernels.py (the multi-LoRA SGMV shrink/expand pair),
 #                compiled on the GPU (not interpreted); needs pytest (carried as wheels if absent)
 #   smollm2      SmolLM2-shaped random model: bf16 greedy parity with transformers, pass times per backend
 #   attention    attention-only time per pass and error vs the torch reference, both shapes, every backend
@@ -104,7 +105,7 @@ if [ "$MODE" = dry ]; then
   export TRITON_INTERPRET=1  # Triton on CPU runs interpreted; torch imports triton before fuseserve does
   run env 60 "${CHECK[@]}" env "$OUT"
   run kernels 240 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
-    tests/unit/test_flash_attn_kernel.py tests/unit/test_fp8_kv_cache.py --junitxml="$OUT/kernel_tests.xml"
+    tests/unit/test_flash_attn_kernel.py tests/unit/test_fp8_kv_cache.py tests/unit/test_lora_kernels.py --junitxml="$OUT/kernel_tests.xml"
   run tiny 300 "${CHECK[@]}" model "$OUT" tiny workload
   run attention 120 "${CHECK[@]}" attention "$OUT" tiny
 else
@@ -113,7 +114,8 @@ else
   run env 20 "${CHECK[@]}" env "$OUT"
   if PYTHONPATH=$TEST_PATH "$PY" -c "import pytest" 2>/dev/null; then
     run kernels 75 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
-      tests/unit/test_flash_attn_kernel.py tests/unit/test_reference_attention.py tests/unit/test_fp8_kv_cache.py --junitxml="$OUT/kernel_tests.xml"
+      tests/unit/test_flash_attn_kernel.py tests/unit/test_reference_attention.py tests/unit/test_fp8_kv_cache.py \
+      tests/unit/test_lora_kernels.py --junitxml="$OUT/kernel_tests.xml"
   else
     echo "== kernels: SKIPPED, pytest is not installed and benchmarks/wheels/ has no wheels (--fetch-wheels)" \
       | tee -a "$OUT/summary.txt"

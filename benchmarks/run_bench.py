@@ -323,7 +323,7 @@ def scaled_targets(itl: float | None, prefill_rate: float | None, sla_info: dict
 
 def _kv_tokens(memory: str, config: Any) -> int:
     """Tokens of fp32 KV cache that ``memory`` holds for this model (to size the peer's cache alike)."""
-    from fuseserve.config import parse_memory
+    from fuseserve.device import parse_memory
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -2,7 +2,7 @@
 
 A block's hash covers everything that changes its K/V: its ``block_size`` token ids, the hash of
 the block before it (so equal hashes mean equal whole prefixes) and, through the root, the model id,
-future multimodal / LoRA ids and the request's ``cache_salt`` (vLLM's name: tenants with different
+extra ids (the request's LoRA adapter, ``lora:NAME``; future multimodal ids) and the request's ``cache_salt`` (vLLM's name: tenants with different
 salts never share a block). Only *full* blocks are hashed: a partly filled last block is never
 shared. SHA-256 truncated to 63 bits: collisions are negligible (2^-63 per pair) and the value fits
 a signed 64-bit field.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from array import array
 from collections.abc import Sequence
 
@@ -31,7 +32,8 @@ def root_hash(model_id: str, cache_salt: str | None = None, extra_ids: Sequence[
 
 @functools.lru_cache(maxsize=4096)
 def _root_hash(model_id: str, cache_salt: str, extra_ids: tuple[str, ...]) -> int:
-    return _digest("\x1f".join([model_id, *extra_ids, cache_salt]).encode())
+    # JSON keeps the fields apart: no salt can spell another request's adapter id
+    return _digest(json.dumps([model_id, list(extra_ids), cache_salt]).encode())
 
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:

@@ -36,11 +36,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         for prompt in a.prompts:
             ids = prompt if a.raw else pipe.chat_prompt_ids([{"role": "user", "content": prompt}])
             if a.stream:
-                for delta in pipe.stream(ids, **kwargs):
+                for delta in pipe.stream(ids, lora=a.lora, **kwargs):
                     print(delta, end="", flush=True)
                 print()
             else:
-                print(pipe(ids, **kwargs)[0].text)
+                print(pipe(ids, lora=a.lora, **kwargs)[0].text)
     finally:
         pipe.close()
     return 0
@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument(
         "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
+    )
+    g.add_argument(
+        "--lora",
+        default=None,
+        metavar="NAME",
+        help="generate with this LoRA adapter of --lora-modules (default: the base model)",
     )
     add_cli_args(g, ServeOptions, "generate")  # --model and the engine's flags
     add_cli_flags(g, GENERATE_DEFAULTS)

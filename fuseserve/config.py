@@ -6,132 +6,11 @@ Sizes are in tokens unless named ``*_bytes``; memory strings accept ``"512MiB"``
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from fuseserve.errors import InvalidParameterError
+from fuseserve.device import parse_memory
+from fuseserve.errors import InvalidParameterError, InvalidRequestError
 from fuseserve.options import option
-
-if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: a simulated worker never does
-    import torch
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-    "TB": 1e12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_memory(value: int | float | str) -> int:
-    """Bytes from ``value``: a number of bytes or a string such as ``"512MiB"`` / ``"2GiB"``.
-
-    Raises ``InvalidParameterError`` on anything else or a non-positive size.
-    """
-    if isinstance(value, int | float):
-        size = int(value)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        if not m or m.group(2).upper() not in _UNITS:
-            raise InvalidParameterError("kv_cache_memory", value, "bytes or a size like '512MiB', '2GiB'")
-        size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if size <= 0:
-        raise InvalidParameterError("kv_cache_memory", value, "> 0 bytes")
-    return size
-
-
-def default_device() -> torch.device:
-    """CUDA when a GPU is visible, else CPU."""
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def resolve_device(name: str | torch.device | None) -> torch.device:
-    """``None`` → ``default_device()``; else the named device, checked to exist here.
-
-    Raises ``InvalidParameterError("device", ...)`` for an unknown name or a GPU that is not visible.
-    """
-    import torch
-
-    if name is None:
-        return default_device()
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError) as e:
-        raise InvalidParameterError("device", name, "cpu, cuda or cuda:N") from e
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise InvalidParameterError("device", name, "cpu, cuda or cuda:N")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise InvalidParameterError("device", name, "cpu (no CUDA GPU is visible here)")
-    if device.index is not None and device.index >= count:
-        raise InvalidParameterError("device", name, f"cuda:0 .. cuda:{count - 1}")
-    return device
-
-
-CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # x86 bf16 dot-product / tile instructions
-
-
-@functools.cache
-def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
-    """Whether this CPU computes bf16 matmuls natively: x86 ``avx512_bf16`` or ``amx_bf16`` in the
-    ``flags`` of ``/proc/cpuinfo`` (the test vLLM's CPU backend uses), or Arm's ``bf16`` feature.
-    False where the file cannot be read."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags" and CPU_BF16_FLAGS & set(value.split()):
-            return True
-        if key.strip() == "Features" and "bf16" in value.split():
-            return True
-    return False
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """The ``--dtype auto`` choice: bf16 on CUDA (fp16 where the GPU lacks bf16); on CPU bf16 where
-    the CPU has bf16 instructions (``cpu_has_bf16``), else fp32 (``--dtype float32`` forces fp32)."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
-
-
-def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``"auto"``/None → ``default_dtype``; else ``float32``/``fp32``/``bfloat16``/``bf16``/``float16``/``fp16``."""
-    import torch
-
-    if isinstance(name, torch.dtype):
-        return name
-    if name in (None, "auto"):
-        return default_dtype(device)
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if name not in table:
-        raise InvalidParameterError("dtype", name, "auto, float32, bfloat16 or float16")
-    return table[name]
-
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """The model of ``fuseserve.pipeline()``, ``fuseserve serve`` and every sub-command's ``--model``."""
@@ -151,6 +30,7 @@ instead of dequantizing them to float32. A Hugging Face checkpoint's own ``quant
 
 # KV cache storage: auto = the model's dtype; fp8 = e4m3 with per-tensor scales (kernels/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8")
+MIGRATIONS = ("drain", "off")  # KV migration (services/scheduler/migration.py)
 _ALL = ("generate", "serve", "scheduler", "worker")
 _RUNNER = ("generate", "serve", "worker")  # the model runner's options
 _PLANNER = ("generate", "serve", "scheduler")  # the scheduler's alone
@@ -183,6 +63,8 @@ class EngineConfig:
         (``services/worker/tensor_parallel.py``).
     overlap: build and send each worker's next plan while its current pass runs (at most one plan
         queued per worker); False runs one plan at a time per worker.
+    migration: "drain" moves a draining worker's decoding sequences to other workers with their K/V
+        (``services/scheduler/migration.py``); "off" lets them finish there.
     enable_prefix_caching: reuse the K/V of full blocks already computed for an equal prefix
         (``services/scheduler/block_accounting.py``); keyword ``prefix_caching``, flag
         ``--no-prefix-caching``.
@@ -194,6 +76,11 @@ class EngineConfig:
         flag ``--compile``; off by default (not yet measured faster than eager on SmolLM2).
     quantization: one of ``QUANTIZATIONS`` or None (a GGUF file dequantized to float32).
     kv_cache_dtype: one of ``KV_CACHE_DTYPES``; ``fp8``: 2x the blocks of bf16 in the same memory.
+    lora_modules: LoRA adapters served, ``NAME=PATH`` entries (keyword: also a dict name → path);
+        ``lora_paths()`` reads them (vLLM's ``--lora-modules``).
+    max_loras: adapter slots per worker: distinct adapters among a worker's running sequences, hence
+        per pass (the base model counts as none); vLLM's ``--max-loras``.
+    max_lora_rank: the largest adapter rank served (slots are this wide); vLLM's ``--max-lora-rank``.
     """
 
     token_budget: int | None = option(
@@ -275,6 +162,13 @@ class EngineConfig:
             "scheduler": "send a worker its next plan only after its current result (default: overlap)"
         },
     )
+    migration: str = option(
+        "drain",
+        "KV migration: 'drain' moves a draining worker's decoding sequences, with their KV cache, to "
+        "other workers instead of letting them finish there; 'off' (default: %(default)s)",
+        commands=_STACK,
+        choices=MIGRATIONS,
+    )
     enable_prefix_caching: bool = option(
         True,
         "compute every prompt from its first token (default: reuse the KV of cached prefixes)",
@@ -303,9 +197,57 @@ class EngineConfig:
         "left as its own kernel); off by default until it is measured faster than eager on SmolLM2",
         commands=_RUNNER,
     )
+    lora_modules: list[str] | None = option(
+        None,
+        "LoRA adapters to serve, each NAME=PATH (a PEFT directory: adapter_config.json + "
+        "adapter_model.safetensors); a request names one (pipeline: lora=NAME) (default: none)",
+        commands=_RUNNER,
+        metavar="NAME=PATH",
+    )
+    max_loras: int = option(
+        1,
+        "distinct LoRA adapters per worker at once (its adapter slots; a pass holds at most this "
+        "many, the base model counts as none) (default: %(default)s)",
+        commands=_ALL,
+    )
+    max_lora_rank: int = option(
+        16, "largest LoRA rank served; a higher one is refused (default: %(default)s)", commands=_RUNNER
+    )
     watermark_blocks: int = 1
     max_preemptions: int = 4
     prefix_aware_placement: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, dict):  # pipeline(lora_modules={"name": path})
+            self.lora_modules = [f"{name}={path}" for name, path in self.lora_modules.items()]
+
+    def lora_paths(self) -> dict[str, str]:
+        """``lora_modules`` as adapter name → path. Raises ``InvalidParameterError`` for an entry
+        that is not ``NAME=PATH`` or a name given twice."""
+        paths: dict[str, str] = {}
+        for entry in self.lora_modules or ():
+            name, sep, path = str(entry).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise InvalidParameterError("lora_modules", entry, "NAME=PATH entries")
+            if name.strip() in paths:
+                raise InvalidParameterError("lora_modules", entry, "each adapter name once")
+            paths[name.strip()] = path.strip()
+        return paths
+
+    def lora_for(self, lora: str | list[str | None] | None, n: int) -> list[str | None]:
+        """The adapter of each of ``n`` prompts: ``lora`` for all, or one per prompt (None: the base
+        model). Raises ``InvalidRequestError`` for a count that does not match or an adapter that
+        ``lora_modules`` does not name."""
+        loras = list(lora) if isinstance(lora, list | tuple) else [lora] * n
+        if len(loras) != n:
+            raise InvalidRequestError(f"lora: {len(loras)} adapters for {n} prompts", param="lora")
+        known = list(self.lora_paths())
+        for name in loras:
+            if name is not None and name not in known:
+                raise InvalidRequestError(
+                    f"unknown LoRA adapter {name!r}; served: {known or 'none'} (lora_modules)", param="lora"
+                )
+        return loras
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` for an out-of-range field."""
@@ -317,6 +259,8 @@ class EngineConfig:
             raise InvalidParameterError("block_size", self.block_size, ">= 1")
         if self.policy not in POLICIES:
             raise InvalidParameterError("policy", self.policy, ", ".join(POLICIES))
+        if self.migration not in MIGRATIONS:
+            raise InvalidParameterError("migration", self.migration, ", ".join(MIGRATIONS))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidParameterError(
                 "attention_backend", self.attention_backend, ", ".join(ATTENTION_BACKENDS)
@@ -329,7 +273,8 @@ class EngineConfig:
             raise InvalidParameterError("watermark_blocks", self.watermark_blocks, ">= 0")
         if self.max_preemptions < 0:
             raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
-        for name in ("decode_passes", "tensor_parallel_size"):
+        self.lora_paths()
+        for name in ("decode_passes", "tensor_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(name, value, "an integer >= 1")

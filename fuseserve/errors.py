@@ -125,3 +125,13 @@ class NoWorkerError(FuseServeError):
 class AttentionBackendUnavailableError(FuseServeError):
     """A forced attention backend cannot run here (package missing, no GPU, unsupported block size
     or dtype); the message says why."""
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter cannot be served: a missing or unreadable PEFT checkpoint, a rank above
+    ``max_lora_rank``, a target module or PEFT feature fuseserve does not adapt, or weights shaped for
+    another base model (the message names the adapter, the file and the fact)."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"LoRA adapter {name!r}: {message}", param="lora_modules")
+        self.name = name

@@ -10,7 +10,6 @@ events go back through one queue per request.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import os
@@ -18,9 +17,9 @@ import queue
 import sys
 import threading
 import types
-import weakref
 from collections.abc import Iterator
 
+from fuseserve import exit_hook
 from fuseserve.config import DEFAULT_MODEL, EngineConfig
 from fuseserve.errors import FuseServeError
 from fuseserve.frontend import Delta, OutputState, PromptEncoder, as_batch
@@ -51,9 +50,12 @@ Prompt = str | list[int]
 class _Request(OutputState):
     """One prompt in flight: its output state, its engine ``seq_id`` and its event queue."""
 
-    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer):
+    def __init__(
+        self, seq_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer, lora: str | None = None
+    ):
         super().__init__(prompt_ids, params, tokenizer)
         self.seq_id = seq_id
+        self.lora = lora  # the LoRA adapter it runs with (None: the base model)
         self.events: queue.Queue = queue.Queue()
 
     def response(self) -> Response:
@@ -128,7 +130,7 @@ class Pipeline:
         self._closed = False
         self._thread = threading.Thread(target=self._engine, name="fuseserve-engine", daemon=True)
         self._thread.start()
-        _LIVE.add(self)
+        exit_hook.LIVE.add(self)
 
     def _token_budget(self, cache_dir: str | None) -> tuple[int, object]:
         """The token budget (the given one, else the knee of this device's profiled latency curve,
@@ -150,38 +152,53 @@ class Pipeline:
         return self.core.scheduler
 
     # ----- public API -----
-    def __call__(self, prompts: Prompt | list[Prompt], **kwargs) -> list[Response]:
+    def __call__(
+        self, prompts: Prompt | list[Prompt], lora: str | list[str | None] | None = None, **kwargs
+    ) -> list[Response]:
         """Generate for each prompt (text or token ids); returns one ``Response`` per prompt, in order.
 
+        ``lora``: the LoRA adapter (a name of ``lora_modules``) every prompt runs with, or one per
+        prompt (None: the base model); prompts of different adapters share forward passes.
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` (unknown keyword, bad value, empty
-        prompt) and ``ContextLengthExceededError`` before anything runs.
+        prompt, unknown adapter) and ``ContextLengthExceededError`` before anything runs.
         """
         params = self._params(kwargs)
-        ids = [self._encode(p, params) for p in as_batch(prompts)]
-        reqs = [self._submit(p, params) for p in ids]
+        batch = as_batch(prompts)
+        loras = self.config.lora_for(lora, len(batch))
+        ids = [self._encode(p, params) for p in batch]
+        reqs = [self._submit(p, params, a) for p, a in zip(ids, loras, strict=True)]
         return [self._collect(r) for r in reqs]
 
-    def stream(self, prompt: Prompt, **kwargs) -> Iterator[str]:
+    def stream(self, prompt: Prompt, lora: str | None = None, **kwargs) -> Iterator[str]:
         """Yield text deltas as they are produced; joined, they equal the non-streamed text."""
-        params = self._params(kwargs)
-        return self._lazy_events(self._encode(prompt, params), params, with_tokens=False)
+        return self._lazy_events(prompt, kwargs, lora, with_tokens=False)
 
-    def stream_tokens(self, prompt: Prompt, **kwargs) -> Iterator[tuple[int, str]]:
+    def stream_tokens(self, prompt: Prompt, lora: str | None = None, **kwargs) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, text_delta)`` for every generated token as the engine produces it.
 
         ``text_delta`` may be ``""`` (an incomplete UTF-8 character or text held back as a possible
         stop string; it arrives with a later token). Same keywords and errors as ``__call__``.
         """
-        params = self._params(kwargs)
-        return self._lazy_events(self._encode(prompt, params), params, with_tokens=True)
+        return self._lazy_events(prompt, kwargs, lora, with_tokens=True)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters this pipeline serves (``lora_modules``' names)."""
+        return list(self.config.lora_paths())
 
     def _params(self, kwargs: dict) -> SamplingParams:
         """Validated params: ``kwargs`` over the model's ``generation_config.json`` defaults."""
         return SamplingParams.from_kwargs(**{**self.defaults, **kwargs})
 
-    def _lazy_events(self, ids: list[int], params: SamplingParams, with_tokens: bool):
-        """Submit on the first ``next()``, so a stream dropped before iteration never runs."""
-        req = self._submit(ids, params)
+    def _lazy_events(self, prompt: Prompt, kwargs: dict, lora: str | None, with_tokens: bool):
+        """Check now (raises as ``__call__``); submit on the first ``next()``, so a stream dropped
+        before iteration never runs."""
+        params = self._params(kwargs)
+        (lora,) = self.config.lora_for(lora, 1)
+        return self._stream_events(self._encode(prompt, params), params, lora, with_tokens)
+
+    def _stream_events(self, ids: list[int], params: SamplingParams, lora: str | None, with_tokens: bool):
+        req = self._submit(ids, params, lora)
         for tok, delta in self._events(req):
             if with_tokens and tok is not None:
                 yield tok, delta
@@ -189,7 +206,8 @@ class Pipeline:
                 yield delta
 
     def chat(self, messages: list[dict], **kwargs) -> Response:
-        """Apply the model's chat template (with the generation prompt) and generate one response."""
+        """Apply the model's chat template (with the generation prompt) and generate one response
+        (``lora`` and the other keywords as ``__call__``'s)."""
         return self(self.chat_prompt_ids(messages), **kwargs)[0]
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -198,7 +216,7 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the engine thread (pending requests finish with ``abort``). Idempotent; also runs at exit."""
-        _LIVE.discard(self)
+        exit_hook.LIVE.discard(self)
         if not self._thread.is_alive():
             return
         with self._cv:
@@ -221,12 +239,12 @@ class Pipeline:
         self.encoder.check_context(len(ids), params.max_new_tokens)
         return ids
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> _Request:
+    def _submit(self, ids: list[int], params: SamplingParams, lora: str | None = None) -> _Request:
         if self._closed:
             raise FuseServeError("pipeline is closed")
         if params.constrained:  # a grammar the library cannot compile is a 400 here, not a worker error
             grammar_backend(self.tokenizer, self.runner.vocab_size, self.eos_token_ids).check(params)
-        req = _Request(next(self._ids), ids, params, self.tokenizer)
+        req = _Request(next(self._ids), ids, params, self.tokenizer, lora)
         self._command("add", req)
         return req
 
@@ -310,7 +328,7 @@ class Pipeline:
         if kind == "add":
             req: _Request = payload
             try:
-                self.core.add_request(Sequence(req.seq_id, req.prompt_ids, req.params))
+                self.core.add_request(Sequence(req.seq_id, req.prompt_ids, req.params, lora=req.lora))
                 self._requests[req.seq_id] = req
             except FuseServeError as e:
                 req.events.put(e)
@@ -325,57 +343,17 @@ class Pipeline:
         self._requests.clear()
 
 
-_LIVE: weakref.WeakSet[Pipeline] = weakref.WeakSet()
-
-
-def _close_live_pipelines() -> None:
-    """Stop engine threads before the interpreter tears torch down (a thread killed inside a torch op
-    aborts the process)."""
-    for pipe in list(_LIVE):
-        pipe.close()
-
-
-def _register_exit_hook() -> None:
-    """Close live pipelines at exit before ``concurrent.futures`` refuses new work.
-
-    ``concurrent.futures`` shuts its executors from ``threading``'s exit hooks, which run before
-    ``atexit``'s: an engine thread still stepping then fails with "cannot schedule new futures after
-    interpreter shutdown". ``threading``'s hooks run last-registered first, so this one, registered
-    after ``concurrent.futures.thread`` is imported, runs before that shutdown. ``atexit`` as well,
-    for interpreters without the hook (``close`` is idempotent).
-    """
-    import concurrent.futures.thread  # noqa: F401 (its hook registered first, so it runs after ours)
-
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(_close_live_pipelines)
-    atexit.register(_close_live_pipelines)
-
-
-_register_exit_hook()
-
-
 def pipeline(model: str = DEFAULT_MODEL, **kwargs) -> Pipeline:
     """Load ``model`` (alias, Hugging Face directory or .gguf file) for in-process generation.
 
     Engine keywords: every ``fuseserve.config.EngineConfig`` option by its name (its docstring says
-    each; ``fuseserve generate``'s flags are these): token_budget (tokens per forward pass; None →
-    chosen by profiling this device, cached), max_num_seqs (sequences per pass), kv_cache_memory
-    (bytes or "512MiB"/"2GiB"; default: 1 GiB on CPU, 85% of free GPU memory on CUDA), block_size,
-    policy (``POLICIES``: "splitfuse", "prefill_first", "whole_prompt"), device, dtype,
-    attention_backend (``ATTENTION_BACKENDS``), target_itl (seconds) and target_prefill_rate (prompt
-    tokens/s; TTFT target = prompt tokens / rate): latency targets that size each SplitFuse pass from
-    this device's measured latency curve (``docs/architecture.md``, "SLO-driven token budget");
-    default None (fixed budget); decode_passes (decode passes per plan when a pass holds decodes only
-    and no request waits, ``docs/architecture.md``, "Multi-step decoding"; default 1);
-    tensor_parallel_size (ranks the model is split over, as ``fuseserve worker
-    --tensor-parallel-size``: ranks 1.. run in processes of their own, gloo on CPU, NCCL on CUDA;
-    default 1); overlap (build the next pass while the current one runs; default True);
-    prefix_caching (reuse the KV of prompt prefixes already computed; default True);
-    watermark_blocks, max_preemptions, prefix_aware_placement. Front end: tokenizer (a tokenizer
-    directory replacing the model's; without any tokenizer only token-id prompts work),
-    chat_template (a Jinja file replacing the model's), max_model_len (context length in tokens, at
-    most the model's). cache_dir: where converted models and profiles are cached; progress: show
+    what each does; ``fuseserve generate``'s flags are these), e.g. token_budget (None: profiled on
+    this device, cached), kv_cache_memory ("512MiB"), dtype, target_itl / target_prefill_rate
+    (``docs/architecture.md``, "SLO-driven token budget"), tensor_parallel_size, lora_modules
+    (``{"name": path}`` of PEFT directories; a call picks one with ``lora=``), max_loras. Front end:
+    tokenizer (a tokenizer directory replacing the model's; without any tokenizer only token-id
+    prompts work), chat_template (a Jinja file replacing the model's), max_model_len (context length
+    in tokens, at most the model's). cache_dir: where converted models and profiles are cached; progress: show
     loading progress. Sampling defaults come from the model's ``generation_config.json``
     (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens). Raises
     ``ModelLoadError`` for a missing or corrupt model, ``InvalidParameterError`` for bad knobs and

@@ -168,23 +168,23 @@ def _gateway_frame(pg: Series, g: Series, dt: float) -> dict:
 
 def _scheduler_frame(prev: Snapshot, cur: Snapshot) -> dict:
     """The schedulers' row, summed over those that answered: queues, workers, preemptions, and how
-    full the interval's passes were (mean tokens per pass over the mean token budget; None: no pass)."""
+    full the interval's passes were: their tokens over the budgets chosen for the same passes, both
+    summed over every scheduler and worker (a ratio of sums, as the dashboard's; None: no pass)."""
     sched = [s for s in cur.schedulers.values() if s]
-    iter_sum = sum(total(s, "fuseserve_iteration_tokens_total_sum") for s in sched)
-    iter_count = sum(total(s, "fuseserve_iteration_tokens_total_count") for s in sched)
     prev_sched = [s for s in prev.schedulers.values() if s]
-    iter_sum -= sum(total(s, "fuseserve_iteration_tokens_total_sum") for s in prev_sched)
-    iter_count -= sum(total(s, "fuseserve_iteration_tokens_total_count") for s in prev_sched)
-    budgets = [v for s in sched for (n, _), v in s.items() if n == "fuseserve_token_budget"]
+
+    def increase(name: str) -> float:
+        return sum(total(s, name) for s in sched) - sum(total(s, name) for s in prev_sched)
+
+    tokens = increase("fuseserve_iteration_tokens_total_sum")
+    budgets = increase("fuseserve_iteration_token_budget_sum")
     return {
         "schedulers": len(sched),
         "waiting": sum(total(s, "fuseserve_num_requests_waiting") for s in sched),
         "running": sum(total(s, "fuseserve_num_requests_running") for s in sched),
         "workers": sum(total(s, "fuseserve_num_workers") for s in sched),
         "preemptions": sum(total(s, "fuseserve_num_preemptions_total") for s in sched),
-        "pass_fullness": (iter_sum / iter_count / (sum(budgets) / len(budgets)))
-        if iter_count > 0 and budgets
-        else None,
+        "pass_fullness": tokens / budgets if budgets > 0 else None,
     }
 
 

@@ -32,6 +32,8 @@ class SeqChunk:
         they start a new table, whose first blocks may be shared cached blocks (prefix cache hit).
     prefix_token_ids: with ``params`` and ``start_pos > 0``: the tokens ``0..start_pos`` whose K/V
         are already in the table's shared blocks (not computed again; kept for penalties).
+    lora: with ``params``: the name of the LoRA adapter the sequence runs with (one of the worker's
+        ``lora_modules``); None: the base model.
     """
 
     seq_id: int
@@ -43,6 +45,7 @@ class SeqChunk:
     prompt_len: int = 0
     block_ids: list[int] = field(default_factory=list)
     prefix_token_ids: list[int] = field(default_factory=list)
+    lora: str | None = None
 
 
 @dataclass

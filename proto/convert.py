@@ -87,6 +87,8 @@ def _add_chunk(chunks, chunk: SeqChunk) -> None:
         msg.prompt_len = chunk.prompt_len
     if chunk.prefix_token_ids:
         msg.prefix_token_ids.extend(chunk.prefix_token_ids)
+    if chunk.lora is not None:
+        msg.lora_name = chunk.lora
 
 
 def seq_chunk_to_proto(chunk: SeqChunk) -> pb.SeqChunk:
@@ -108,6 +110,7 @@ def seq_chunk_from_proto(msg: pb.SeqChunk) -> SeqChunk:
         prompt_len=msg.prompt_len,
         block_ids=list(msg.block_ids),
         prefix_token_ids=list(msg.prefix_token_ids),
+        lora=msg.lora_name if msg.HasField("lora_name") else None,
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x13\x66useserve.worker.v1\"\r\n\x0bInfoRequest\"\xb7\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\"\x97\x05\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x18\n\x0bjson_schema\x18\x11 \x01(\tH\x03\x88\x01\x01\x12\x12\n\x05regex\x18\x12 \x01(\tH\x04\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x13 \x03(\t\x12\x14\n\x07grammar\x18\x14 \x01(\tH\x05\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x15 \x03(\x0b\x32\x32.fuseserve.worker.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x0e\n\x0c_json_schemaB\x08\n\x06_regexB\n\n\x08_grammar\"\xea\x01\n\x08SeqChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x38\n\x06params\x18\x06 \x01(\x0b\x32#.fuseserve.worker.v1.SamplingParamsH\x00\x88\x01\x01\x12\x12\n\nprompt_len\x18\x07 \x01(\r\x12\x11\n\tblock_ids\x18\x08 \x03(\r\x12\x18\n\x10prefix_token_ids\x18\t \x03(\rB\t\n\x07_params\"\x86\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1d.fuseserve.worker.v1.SeqChunk\x12\x14\n\x0c\x66ree_seq_ids\x18\x03 \x03(\x04\x12\x12\n\nnum_passes\x18\x04 \x01(\r\x12\r\n\x05\x66\x65nce\x18\x05 \x01(\x04\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x8b\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x37\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32!.fuseserve.worker.v1.TokenLogprobB\n\n\x08_logprob\"\xd3\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x06tokens\x18\x02 \x03(\x0b\x32!.fuseserve.worker.v1.SampledToken\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x19\n\x0cidle_seconds\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12<\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32#.fuseserve.worker.v1.PromptLogprobs\x12\x31\n\x07\x66\x61ilure\x18\x07 \x01(\x0e\x32 .fuseserve.worker.v1.StepFailure\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x12\n\nnum_passes\x18\t \x01(\r\x12\r\n\x05\x66\x65nce\x18\n \x01(\x04\x42\x0f\n\r_idle_seconds\"t\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12-\n\x03top\x18\x04 \x03(\x0b\x32 .fuseserve.worker.v1.TopLogprobs\"A\n\x0bTopLogprobs\x12\x32\n\x07\x65ntries\x18\x01 \x03(\x0b\x32!.fuseserve.worker.v1.TokenLogprob\":\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\r\n\x05\x66\x65nce\x18\x03 \x01(\x04\"F\n\x0c\x46reeResponse\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x65nced\x18\x02 \x01(\x08\x12\r\n\x05\x66\x65nce\x18\x03 \x01(\x04\"\x0f\n\rHealthRequest\"r\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x03 \x01(\r\x12\x12\n\nnum_fenced\x18\x04 \x01(\x04\x12\r\n\x05\x66\x65nce\x18\x05 \x01(\x04*N\n\x0bStepFailure\x12\x0b\n\x07STEP_OK\x10\x00\x12\x11\n\rSTEP_REJECTED\x10\x01\x12\x0e\n\nSTEP_STALE\x10\x02\x12\x0f\n\x0bSTEP_FENCED\x10\x03\x32\x92\x03\n\x06Worker\x12I\n\x04Info\x12 .fuseserve.worker.v1.InfoRequest\x1a\x1f.fuseserve.worker.v1.WorkerInfo\x12K\n\x04Step\x12 .fuseserve.worker.v1.StepRequest\x1a!.fuseserve.worker.v1.StepResponse\x12P\n\x05Steps\x12 .fuseserve.worker.v1.StepRequest\x1a!.fuseserve.worker.v1.StepResponse(\x01\x30\x01\x12K\n\x04\x46ree\x12 .fuseserve.worker.v1.FreeRequest\x1a!.fuseserve.worker.v1.FreeResponse\x12Q\n\x06Health\x12\".fuseserve.worker.v1.HealthRequest\x1a#.fuseserve.worker.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x13\x66useserve.worker.v1\"\r\n\x0bInfoRequest\"\xb7\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\"\x97\x05\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x18\n\x0bjson_schema\x18\x11 \x01(\tH\x03\x88\x01\x01\x12\x12\n\x05regex\x18\x12 \x01(\tH\x04\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x13 \x03(\t\x12\x14\n\x07grammar\x18\x14 \x01(\tH\x05\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x15 \x03(\x0b\x32\x32.fuseserve.worker.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x0e\n\x0c_json_schemaB\x08\n\x06_regexB\n\n\x08_grammar\"\x90\x02\n\x08SeqChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x38\n\x06params\x18\x06 \x01(\x0b\x32#.fuseserve.worker.v1.SamplingParamsH\x00\x88\x01\x01\x12\x12\n\nprompt_len\x18\x07 \x01(\r\x12\x11\n\tblock_ids\x18\x08 \x03(\r\x12\x18\n\x10prefix_token_ids\x18\t \x03(\r\x12\x16\n\tlora_name\x18\n \x01(\tH\x01\x88\x01\x01\x42\t\n\x07_paramsB\x0c\n\n_lora_name\"\x86\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1d.fuseserve.worker.v1.SeqChunk\x12\x14\n\x0c\x66ree_seq_ids\x18\x03 \x03(\x04\x12\x12\n\nnum_passes\x18\x04 \x01(\r\x12\r\n\x05\x66\x65nce\x18\x05 \x01(\x04\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x8b\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x37\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32!.fuseserve.worker.v1.TokenLogprobB\n\n\x08_logprob\"\xd3\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x06tokens\x18\x02 \x03(\x0b\x32!.fuseserve.worker.v1.SampledToken\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x19\n\x0cidle_seconds\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12<\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32#.fuseserve.worker.v1.PromptLogprobs\x12\x31\n\x07\x66\x61ilure\x18\x07 \x01(\x0e\x32 .fuseserve.worker.v1.StepFailure\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x12\n\nnum_passes\x18\t \x01(\r\x12\r\n\x05\x66\x65nce\x18\n \x01(\x04\x42\x0f\n\r_idle_seconds\"t\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12-\n\x03top\x18\x04 \x03(\x0b\x32 .fuseserve.worker.v1.TopLogprobs\"A\n\x0bTopLogprobs\x12\x32\n\x07\x65ntries\x18\x01 \x03(\x0b\x32!.fuseserve.worker.v1.TokenLogprob\":\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\r\n\x05\x66\x65nce\x18\x03 \x01(\x04\"F\n\x0c\x46reeResponse\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x65nced\x18\x02 \x01(\x08\x12\r\n\x05\x66\x65nce\x18\x03 \x01(\x04\"\x0f\n\rHealthRequest\"r\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x03 \x01(\r\x12\x12\n\nnum_fenced\x18\x04 \x01(\x04\x12\r\n\x05\x66\x65nce\x18\x05 \x01(\x04\"1\n\x07SeqMove\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x64\x65st_block_ids\x18\x02 \x03(\r\"v\n\x0eMigrateRequest\x12\r\n\x05\x66\x65nce\x18\x01 \x01(\x04\x12\x14\n\x0c\x64\x65st_address\x18\x02 \x01(\t\x12\x12\n\ndest_fence\x18\x03 \x01(\x04\x12+\n\x05moves\x18\x04 \x03(\x0b\x32\x1c.fuseserve.worker.v1.SeqMove\"k\n\x0fMigrateResponse\x12\x15\n\rmoved_seq_ids\x18\x01 \x03(\x04\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0e\n\x06\x66\x65nced\x18\x05 \x01(\x08\"\xa2\x02\n\x08SeqState\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_computed\x18\x02 \x01(\r\x12\x12\n\nlast_token\x18\x03 \x01(\r\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\x12\x33\n\x06params\x18\x07 \x01(\x0b\x32#.fuseserve.worker.v1.SamplingParams\x12\x11\n\tblock_ids\x18\t \x03(\r\x12\x10\n\x08kv_dtype\x18\n \x01(\t\x12\x14\n\x0crunner_state\x18\x0b \x01(\x0c\x12\x16\n\tlora_name\x18\x0c \x01(\tH\x00\x88\x01\x01\x42\x0c\n\n_lora_name\"\x88\x01\n\x06KVPart\x12\r\n\x05\x66\x65nce\x18\x01 \x01(\x04\x12,\n\x05state\x18\x02 \x01(\x0b\x32\x1d.fuseserve.worker.v1.SeqState\x12\x0e\n\x06seq_id\x18\x03 \x01(\x04\x12\r\n\x05layer\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\x12\x0c\n\x04last\x18\x07 \x01(\x08\"@\n\x0eImportResponse\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x0e\n\x06\x66\x65nced\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t*N\n\x0bStepFailure\x12\x0b\n\x07STEP_OK\x10\x00\x12\x11\n\rSTEP_REJECTED\x10\x01\x12\x0e\n\nSTEP_STALE\x10\x02\x12\x0f\n\x0bSTEP_FENCED\x10\x03\x32\xba\x04\n\x06Worker\x12I\n\x04Info\x12 .fuseserve.worker.v1.InfoRequest\x1a\x1f.fuseserve.worker.v1.WorkerInfo\x12K\n\x04Step\x12 .fuseserve.worker.v1.StepRequest\x1a!.fuseserve.worker.v1.StepResponse\x12P\n\x05Steps\x12 .fuseserve.worker.v1.StepRequest\x1a!.fuseserve.worker.v1.StepResponse(\x01\x30\x01\x12K\n\x04\x46ree\x12 .fuseserve.worker.v1.FreeRequest\x1a!.fuseserve.worker.v1.FreeResponse\x12Q\n\x06Health\x12\".fuseserve.worker.v1.HealthRequest\x1a#.fuseserve.worker.v1.HealthResponse\x12T\n\x07Migrate\x12#.fuseserve.worker.v1.MigrateRequest\x1a$.fuseserve.worker.v1.MigrateResponse\x12P\n\nImportSeqs\x12\x1b.fuseserve.worker.v1.KVPart\x1a#.fuseserve.worker.v1.ImportResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STEPFAILURE']._serialized_start=2263
-  _globals['_STEPFAILURE']._serialized_end=2341
+  _globals['_STEPFAILURE']._serialized_start=3079
+  _globals['_STEPFAILURE']._serialized_end=3157
   _globals['_INFOREQUEST']._serialized_start=37
   _globals['_INFOREQUEST']._serialized_end=50
   _globals['_WORKERINFO']._serialized_start=53
@@ -44,27 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=774
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=822
   _globals['_SEQCHUNK']._serialized_start=905
-  _globals['_SEQCHUNK']._serialized_end=1139
-  _globals['_STEPREQUEST']._serialized_start=1142
-  _globals['_STEPREQUEST']._serialized_end=1276
-  _globals['_TOKENLOGPROB']._serialized_start=1278
-  _globals['_TOKENLOGPROB']._serialized_end=1327
-  _globals['_SAMPLEDTOKEN']._serialized_start=1330
-  _globals['_SAMPLEDTOKEN']._serialized_end=1469
-  _globals['_STEPRESPONSE']._serialized_start=1472
-  _globals['_STEPRESPONSE']._serialized_end=1811
-  _globals['_PROMPTLOGPROBS']._serialized_start=1813
-  _globals['_PROMPTLOGPROBS']._serialized_end=1929
-  _globals['_TOPLOGPROBS']._serialized_start=1931
-  _globals['_TOPLOGPROBS']._serialized_end=1996
-  _globals['_FREEREQUEST']._serialized_start=1998
-  _globals['_FREEREQUEST']._serialized_end=2056
-  _globals['_FREERESPONSE']._serialized_start=2058
-  _globals['_FREERESPONSE']._serialized_end=2128
-  _globals['_HEALTHREQUEST']._serialized_start=2130
-  _globals['_HEALTHREQUEST']._serialized_end=2145
-  _globals['_HEALTHRESPONSE']._serialized_start=2147
-  _globals['_HEALTHRESPONSE']._serialized_end=2261
-  _globals['_WORKER']._serialized_start=2344
-  _globals['_WORKER']._serialized_end=2746
+  _globals['_SEQCHUNK']._serialized_end=1177
+  _globals['_STEPREQUEST']._serialized_start=1180
+  _globals['_STEPREQUEST']._serialized_end=1314
+  _globals['_TOKENLOGPROB']._serialized_start=1316
+  _globals['_TOKENLOGPROB']._serialized_end=1365
+  _globals['_SAMPLEDTOKEN']._serialized_start=1368
+  _globals['_SAMPLEDTOKEN']._serialized_end=1507
+  _globals['_STEPRESPONSE']._serialized_start=1510
+  _globals['_STEPRESPONSE']._serialized_end=1849
+  _globals['_PROMPTLOGPROBS']._serialized_start=1851
+  _globals['_PROMPTLOGPROBS']._serialized_end=1967
+  _globals['_TOPLOGPROBS']._serialized_start=1969
+  _globals['_TOPLOGPROBS']._serialized_end=2034
+  _globals['_FREEREQUEST']._serialized_start=2036
+  _globals['_FREEREQUEST']._serialized_end=2094
+  _globals['_FREERESPONSE']._serialized_start=2096
+  _globals['_FREERESPONSE']._serialized_end=2166
+  _globals['_HEALTHREQUEST']._serialized_start=2168
+  _globals['_HEALTHREQUEST']._serialized_end=2183
+  _globals['_HEALTHRESPONSE']._serialized_start=2185
+  _globals['_HEALTHRESPONSE']._serialized_end=2299
+  _globals['_SEQMOVE']._serialized_start=2301
+  _globals['_SEQMOVE']._serialized_end=2350
+  _globals['_MIGRATEREQUEST']._serialized_start=2352
+  _globals['_MIGRATEREQUEST']._serialized_end=2470
+  _globals['_MIGRATERESPONSE']._serialized_start=2472
+  _globals['_MIGRATERESPONSE']._serialized_end=2579
+  _globals['_SEQSTATE']._serialized_start=2582
+  _globals['_SEQSTATE']._serialized_end=2872
+  _globals['_KVPART']._serialized_start=2875
+  _globals['_KVPART']._serialized_end=3011
+  _globals['_IMPORTRESPONSE']._serialized_start=3013
+  _globals['_IMPORTRESPONSE']._serialized_end=3077
+  _globals['_WORKER']._serialized_start=3160
+  _globals['_WORKER']._serialized_end=3730
 # @@protoc_insertion_point(module_scope)

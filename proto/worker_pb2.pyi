@@ -98,7 +98,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "start_pos", "num_tokens", "token_ids", "sample", "params", "prompt_len", "block_ids", "prefix_token_ids")
+    __slots__ = ("seq_id", "start_pos", "num_tokens", "token_ids", "sample", "params", "prompt_len", "block_ids", "prefix_token_ids", "lora_name")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class SeqChunk(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_pos: int
     num_tokens: int
@@ -117,7 +118,8 @@ class SeqChunk(_message.Message):
     prompt_len: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, seq_id: _Optional[int] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "chunks", "free_seq_ids", "num_passes", "fence")
@@ -232,3 +234,91 @@ class HealthResponse(_message.Message):
     num_fenced: int
     fence: int
     def __init__(self, ok: _Optional[bool] = ..., num_free_blocks: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., num_fenced: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
+
+class SeqMove(_message.Message):
+    __slots__ = ("seq_id", "dest_block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("fence", "dest_address", "dest_fence", "moves")
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    DEST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEST_FENCE_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    fence: int
+    dest_address: str
+    dest_fence: int
+    moves: _containers.RepeatedCompositeFieldContainer[SeqMove]
+    def __init__(self, fence: _Optional[int] = ..., dest_address: _Optional[str] = ..., dest_fence: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[SeqMove, _Mapping]]] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("moved_seq_ids", "num_bytes", "seconds", "error", "fenced")
+    MOVED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
+    moved_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_bytes: int
+    seconds: float
+    error: str
+    fenced: bool
+    def __init__(self, moved_seq_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., fenced: _Optional[bool] = ...) -> None: ...
+
+class SeqState(_message.Message):
+    __slots__ = ("seq_id", "num_computed", "last_token", "prompt_len", "prompt_token_ids", "output_token_ids", "params", "block_ids", "kv_dtype", "runner_state", "lora_name")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_STATE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_computed: int
+    last_token: int
+    prompt_len: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_dtype: str
+    runner_state: bytes
+    lora_name: str
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed: _Optional[int] = ..., last_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., runner_state: _Optional[bytes] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class KVPart(_message.Message):
+    __slots__ = ("fence", "state", "seq_id", "layer", "k", "v", "last")
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    fence: int
+    state: SeqState
+    seq_id: int
+    layer: int
+    k: bytes
+    v: bytes
+    last: bool
+    def __init__(self, fence: _Optional[int] = ..., state: _Optional[_Union[SeqState, _Mapping]] = ..., seq_id: _Optional[int] = ..., layer: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class ImportResponse(_message.Message):
+    __slots__ = ("seq_ids", "fenced", "error")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    fenced: bool
+    error: str
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., fenced: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...

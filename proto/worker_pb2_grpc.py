@@ -60,6 +60,16 @@ class WorkerStub:
                 request_serializer=worker__pb2.HealthRequest.SerializeToString,
                 response_deserializer=worker__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/fuseserve.worker.v1.Worker/Migrate',
+                request_serializer=worker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=worker__pb2.MigrateResponse.FromString,
+                _registered_method=True)
+        self.ImportSeqs = channel.stream_unary(
+                '/fuseserve.worker.v1.Worker/ImportSeqs',
+                request_serializer=worker__pb2.KVPart.SerializeToString,
+                response_deserializer=worker__pb2.ImportResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -105,6 +115,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """KV migration, asked of the source worker by the scheduler: send these sequences (their state and
+        KV blocks) to the destination worker over ImportSeqs, then drop them here. Between passes only:
+        the scheduler sends it when no plan of this worker is in flight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSeqs(self, request_iterator, context):
+        """KV migration, the destination's side: a source worker streams each sequence's state, then its
+        K/V layer by layer, into the blocks the scheduler reserved here; the sequence then decodes here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +159,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=worker__pb2.HealthRequest.FromString,
                     response_serializer=worker__pb2.HealthResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=worker__pb2.MigrateRequest.FromString,
+                    response_serializer=worker__pb2.MigrateResponse.SerializeToString,
+            ),
+            'ImportSeqs': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSeqs,
+                    request_deserializer=worker__pb2.KVPart.FromString,
+                    response_serializer=worker__pb2.ImportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +307,60 @@ class Worker:
             '/fuseserve.worker.v1.Worker/Health',
             worker__pb2.HealthRequest.SerializeToString,
             worker__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuseserve.worker.v1.Worker/Migrate',
+            worker__pb2.MigrateRequest.SerializeToString,
+            worker__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSeqs(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fuseserve.worker.v1.Worker/ImportSeqs',
+            worker__pb2.KVPart.SerializeToString,
+            worker__pb2.ImportResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,11 +32,11 @@ def free(runner, seq_ids: list[int]) -> None:
 
 
 def chunked_logits(
-    runner, prompts: dict[int, list[int]], chunk_sizes: dict[int, int]
+    runner, prompts: dict[int, list[int]], chunk_sizes: dict[int, int], loras: dict[int, str] | None = None
 ) -> dict[int, torch.Tensor]:
     """Run every prompt through the runner at once, sequence ``i`` in chunks of ``chunk_sizes[i]`` tokens
-    per pass, all sequences packed into the same passes. Returns logits ``[len, vocab]`` per sequence
-    and frees the sequences afterwards."""
+    per pass, all sequences packed into the same passes (sequence ``i`` with LoRA adapter ``loras[i]``
+    when given). Returns logits ``[len, vocab]`` per sequence and frees the sequences afterwards."""
     pos = dict.fromkeys(prompts, 0)
     out: dict[int, list[torch.Tensor]] = {sid: [] for sid in prompts}
     step = 0
@@ -47,7 +47,7 @@ def chunked_logits(
             if start >= len(toks):
                 continue
             n = min(chunk_sizes[sid], len(toks) - start)
-            chunks.append(_chunk(sid, toks, start, n, len(toks)))
+            chunks.append(_chunk(sid, toks, start, n, len(toks), (loras or {}).get(sid)))
             pos[sid] = start + n
         logits, _ = runner.run_pass(with_blocks(runner, StepPlan(step, chunks)), all_logits=True)
         offset = 0
@@ -79,8 +79,11 @@ def greedy_tokens(runner, prompt: list[int], max_new_tokens: int, chunk: int = 1
     return tokens, logits_per_step
 
 
-def _chunk(seq_id: int, tokens: list[int], start: int, n: int, prompt_len: int) -> SeqChunk:
-    """Tokens ``start:start+n`` of a sequence whose known tokens are ``tokens`` (greedy params first)."""
+def _chunk(
+    seq_id: int, tokens: list[int], start: int, n: int, prompt_len: int, lora: str | None = None
+) -> SeqChunk:
+    """Tokens ``start:start+n`` of a sequence whose known tokens are ``tokens`` (greedy params and
+    the LoRA adapter first)."""
     return SeqChunk(
         seq_id,
         start,
@@ -89,4 +92,5 @@ def _chunk(seq_id: int, tokens: list[int], start: int, n: int, prompt_len: int) 
         sample=start + n == len(tokens),
         params=SamplingParams(temperature=0.0) if start == 0 else None,
         prompt_len=prompt_len,
+        lora=lora if start == 0 else None,
     )

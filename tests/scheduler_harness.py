@@ -81,6 +81,7 @@ def make_engine(
     eos_every: int = 0,
     fail_at: dict[str, int] | None = None,
     overlap: bool = False,
+    max_loras: int = 1,
 ) -> Engine:
     """EngineCore over fake workers ``{name: num_blocks}`` (default one with a big pool)."""
     workers = workers or {"w0": 100_000}
@@ -91,6 +92,7 @@ def make_engine(
         watermark_blocks=watermark,
         max_preemptions=max_preemptions,
         policy=policy,
+        max_loras=max_loras,
     )
     core = EngineCore(cfg, [EOS], overlap=overlap)
     history: dict[int, list[int]] = {}

@@ -26,11 +26,12 @@ SIZES = {1: 7, 2: 64, 3: 1, 4: 1}  # sequence id -> tokens per pass
 Inspect = Callable[[ModelRunner], object] | None
 
 
-def tp_runner(path) -> ModelRunner:
-    """A float32 CPU runner for the checkpoint at ``path`` (the rank is the process's, if any)."""
+def tp_runner(path, **options) -> ModelRunner:
+    """A float32 CPU runner for the checkpoint at ``path`` (the rank is the process's, if any);
+    ``options``: more ``EngineConfig`` fields (``lora_modules``, ...)."""
     from transformers import AutoConfig
 
-    engine = EngineConfig(kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="float32")
+    engine = EngineConfig(kv_cache_memory="16MiB", block_size=16, device="cpu", dtype="float32", **options)
     return ModelRunner(
         path, AutoConfig.from_pretrained(path), eos_token_ids=[0], progress=False, config=engine
     )
@@ -45,35 +46,48 @@ def tp_prompts(vocab: int) -> dict[int, list[int]]:
     }
 
 
-def one_rank(path, inspect: Inspect = None) -> dict | str:
-    """Logits (and ``inspect(runner)``) of the checkpoint at ``path`` in this process."""
+def one_rank(
+    path, inspect: Inspect = None, options: dict | None = None, loras: dict | None = None
+) -> dict | str:
+    """Logits (and ``inspect(runner)``) of the checkpoint at ``path`` in this process; ``options``:
+    ``tp_runner``'s, ``loras``: sequence id → LoRA adapter (``chunked_logits``)."""
     try:
-        runner = tp_runner(path)
+        runner = tp_runner(path, **(options or {}))
     except Exception as e:  # the refusal is the result
         return f"{type(e).__name__}: {e}"
-    logits = chunked_logits(runner, tp_prompts(runner.vocab_size), SIZES)
+    logits = chunked_logits(runner, tp_prompts(runner.vocab_size), SIZES, loras)
     return {"logits": logits, "inspect": inspect(runner) if inspect else None}
 
 
-def _rank_main(rank: int, size: int, init_file: str, jobs: list[tuple[str, str]], inspect: Inspect) -> None:
+def _rank_main(
+    rank: int, size: int, init_file: str, jobs: list[tuple[str, str]], inspect: Inspect, options, loras
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
         for path, out in jobs:
-            result = one_rank(path, inspect)
+            result = one_rank(path, inspect, options, loras)
             if rank == 0:
                 torch.save(result, out)
     finally:
         dist.destroy_process_group()
 
 
-def spawn_ranks(size: int, paths: list[Path], tmp_path: Path, inspect: Inspect = None) -> list[dict | str]:
+def spawn_ranks(
+    size: int,
+    paths: list[Path],
+    tmp_path: Path,
+    inspect: Inspect = None,
+    options: dict | None = None,
+    loras: dict | None = None,
+) -> list[dict | str]:
     """Rank 0's ``one_rank`` result per checkpoint in ``paths``, every checkpoint run on ``size``
-    spawned ranks (one process group for all of them)."""
+    spawned ranks (one process group for all of them); ``options`` and ``loras`` as ``one_rank``'s."""
     jobs = [(str(p), str(tmp_path / f"{Path(p).name}.tp{size}.pt")) for p in paths]
-    mp.spawn(_rank_main, args=(size, str(tmp_path / "init"), jobs, inspect), nprocs=size, join=True)
+    args = (size, str(tmp_path / "init"), jobs, inspect, options, loras)
+    mp.spawn(_rank_main, args=args, nprocs=size, join=True)
     return [torch.load(out, weights_only=False) for _, out in jobs]
 
 

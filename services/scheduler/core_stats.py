@@ -118,6 +118,9 @@ class SchedulerCounters:
     ``max_preemptions`` to break a KV-cache deadlock. num_surplus_tokens: tokens sampled past a stop
     learned one pass late, dropped. num_prefix_queries: prompt tokens looked up in a prefix cache at
     admission; num_prefix_hits: of those, tokens found cached (not computed again).
+    num_recomputed_tokens: computed tokens whose K/V was given up (a sequence preempted, moved off a
+    lost or draining worker, or its plan failed) and must be computed again. num_migrated: sequences
+    moved to another worker with their K/V (``migration.py``); num_migrated_bytes: the K/V bytes sent.
     """
 
     num_preemptions: int = 0
@@ -125,6 +128,10 @@ class SchedulerCounters:
     num_surplus_tokens: int = 0
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0
+    num_recomputed_tokens: int = 0
+    num_migrated: int = 0
+    num_migrated_bytes: int = 0
+    migration_seconds: float = 0.0  # wall seconds of the migrations' transfers (source to destination)
 
     def add(self, other: SchedulerCounters) -> None:
         """Add ``other``'s counts to these."""

@@ -16,7 +16,9 @@ or inline for deterministic tests) or sends it ahead (``send(plan, on_result)``,
 which calls back with the result), in which case the worker itself runs plans in ``step_id`` order.
 Each handle is held once, by the worker's ``WorkerSlot`` in the scheduler's ``WorkerRegistry``; a lane
 is given it with each plan. A worker dropped as lost keeps its handle in ``EngineCore.lost`` until its
-owner takes it to close (``take_lost``).
+owner takes it to close (``take_lost``). A draining worker whose handle can ``migrate`` gets no plan:
+once none of its plans is in flight its decoding sequences move to other workers with their K/V
+(``fuseserve.scheduler.migration``); the answers come back like results and are applied in ``poll``.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from fuseserve.config import EngineConfig
 from fuseserve.errors import WorkerLostError
 from fuseserve.scheduler.core_stats import CoreStats, SchedulerStats, WorkerStats
+from fuseserve.scheduler.migration import MigrationOrder, MigrationResult
 from fuseserve.scheduler.scheduler import Scheduler, TokenEvent
 from fuseserve.scheduler.sequence import FinishReason, Sequence
+from fuseserve.scheduler.worker_lane import WorkerLane
+from fuseserve.scheduler.worker_slot import MigrationPhase
 from fuseserve.types import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -45,51 +49,6 @@ class WorkerHandle(Protocol):
     ``WorkerLostError`` when the worker is gone, anything else when it rejected the plan)."""
 
     def step(self, plan: StepPlan) -> StepResult: ...
-
-
-class _Lane:
-    """Carries one worker's plans out in order and its results into the core's completion queue.
-
-    A handle with ``send(plan, on_result)`` (the gRPC client) takes the plan and calls back from its
-    own thread; one with only ``step(plan)`` runs on the lane's thread, or inline when not threaded.
-    The lane keeps no handle: ``submit`` is given the registry's with each plan.
-    """
-
-    def __init__(self, name: str, sends: bool, done: queue.SimpleQueue, threaded: bool, waiter=None):
-        self.name = name
-        self._sends = sends  # the worker's handle has ``send``
-        self._done = done
-        self._waiter = waiter
-        self.results: dict[int, StepResult | Exception] = {}  # arrived, waiting for older plans
-        self._pool = None
-        if not sends and threaded:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{name}")
-
-    def submit(self, handle, plan: StepPlan) -> None:
-        """Send ``plan`` through ``handle`` (the worker's, from the registry)."""
-        if self._sends:
-            handle.send(plan, self._put)
-        elif self._pool is not None:
-            self._pool.submit(self._run, handle, plan)
-        else:
-            self._run(handle, plan)
-
-    def _run(self, handle, plan: StepPlan) -> None:
-        try:
-            result: StepResult | Exception = handle.step(plan)
-        except Exception as e:  # a lost worker must not take the core down
-            result = e
-        self._done.put((self, plan.step_id, result))
-
-    def _put(self, step_id: int, result: StepResult | Exception) -> None:
-        self._done.put((self, step_id, result))
-        if self._waiter is not None:
-            self._waiter.wake()
-
-    def close(self) -> None:
-        """Drop plans not started; wait for the one running (a thread must not die inside a pass)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _num_passes(result: StepResult | Exception) -> int:
@@ -121,7 +80,8 @@ class EngineCore:
         self.stats = CoreStats()
         self._num_idle_reported = 0  # idle times ``make_stats`` has returned so far
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._lanes: dict[str, _Lane] = {}
+        self._migrated: queue.SimpleQueue = queue.SimpleQueue()  # (order, answer) of KV migrations
+        self._lanes: dict[str, WorkerLane] = {}
         self.lost: dict[str, WorkerHandle] = {}  # handles of workers dropped as lost, until ``take_lost``
         self._dispatch_all = False
         self.last_plans: dict[str, StepPlan] = {}  # plans sent by the last ``step`` / ``poll``
@@ -154,7 +114,7 @@ class EngineCore:
         self.scheduler.add_worker(
             name, num_blocks, block_size, max_model_len, token_budget, handle, latency_prior
         )
-        self._lanes[name] = _Lane(name, hasattr(handle, "send"), self._done, threaded, self.waiter)
+        self._lanes[name] = WorkerLane(name, hasattr(handle, "send"), self._done, threaded, self.waiter)
         self._dispatch_all = True
 
     def remove_worker(self, name: str) -> list[Sequence]:
@@ -246,6 +206,7 @@ class EngineCore:
         t0 = time.thread_time()  # CPU of this thread only: time blocked waiting is not counted
         self.last_plans = {}
         self.num_completions = 0
+        self._apply_migrations()
         self._dispatch()
         events: list[TokenEvent] = []
         if not any(s.inflight for s in self.scheduler.slots.values()):
@@ -278,6 +239,7 @@ class EngineCore:
         and apply the oldest plan in flight of each worker (results of later plans stay queued)."""
         self.last_plans = {}
         self.num_completions = 0
+        self._apply_migrations()
         self._dispatch()
         want = {name for name, slot in self.scheduler.slots.items() if slot.inflight}
         events: list[TokenEvent] = []
@@ -292,7 +254,7 @@ class EngineCore:
                 self._arrived(self._done.get())
         return events
 
-    def _arrived(self, item) -> _Lane | None:
+    def _arrived(self, item) -> WorkerLane | None:
         """Keep a result that came back; returns its lane, or None (a wakeup, a removed worker's answer)."""
         if item is _WAKE:
             return None
@@ -302,7 +264,7 @@ class EngineCore:
         lane.results[step_id] = result
         return lane
 
-    def _apply_ready(self, lane: _Lane, limit: int | None, out: list[TokenEvent]) -> bool:
+    def _apply_ready(self, lane: WorkerLane, limit: int | None, out: list[TokenEvent]) -> bool:
         """Apply ``lane``'s arrived results in step order, at most ``limit``; True when one was applied.
 
         Without a limit (``poll``) the worker's next plan goes out right after each result.
@@ -324,7 +286,7 @@ class EngineCore:
                 self.scheduler.touched.add(lane.name)
         return applied > 0
 
-    def _apply(self, lane: _Lane, result: StepResult | Exception) -> list[TokenEvent]:
+    def _apply(self, lane: WorkerLane, result: StepResult | Exception) -> list[TokenEvent]:
         name = lane.name
         if isinstance(result, Exception):
             if isinstance(result, WorkerLostError):
@@ -356,15 +318,21 @@ class EngineCore:
         self._dispatch_workers([name])
 
     def _dispatch_workers(self, names: list[str]) -> None:
-        """Fill each named worker's lane up to ``depth`` plans, planning the workers together."""
+        """Fill each named worker's lane up to ``depth`` plans, planning the workers together; a
+        draining worker that migrates starts its round instead, once nothing of it is in flight."""
         slots = self.scheduler.slots
         lanes = self._lanes
+        wanted = self.scheduler.migrations.wanted
         while True:
-            ready = [
-                n
-                for n in names
-                if n in lanes and (s := slots.get(n)) is not None and len(s.inflight) < self.depth
-            ]
+            ready = []
+            for n in names:
+                s = slots.get(n)
+                if n not in lanes or s is None or len(s.inflight) >= self.depth:
+                    continue
+                if not wanted(s):
+                    ready.append(n)
+                elif not s.inflight and s.migration is MigrationPhase.NONE:
+                    self._start_migration(n)
             if not ready:
                 return
             started = time.perf_counter()
@@ -375,6 +343,45 @@ class EngineCore:
                 self.last_plans[name] = plan
                 lanes[name].submit(slots[name].handle, plan)
             names = list(plans)
+
+    # ----- KV migration -----
+    def _start_migration(self, name: str) -> None:
+        """Plan ``name``'s round of moves and send each destination's to ``name``'s handle."""
+        slots = self.scheduler.slots
+        source = slots[name].handle
+        for order in self.scheduler.migrations.start(name):
+            moves = [(seq.seq_id, ids) for seq, ids in order.moves]
+            log.info("migrating %d sequences from %s to %s", len(moves), name, order.dest)
+            source.migrate(slots[order.dest].handle, moves, lambda res, o=order: self._migration_done(o, res))
+
+    def _migration_done(self, order: MigrationOrder, result: MigrationResult | Exception) -> None:
+        """A source worker's answer (any thread): applied by the next ``poll``."""
+        self._migrated.put((order, result))
+        self._done.put(_WAKE)
+        if self.waiter is not None:
+            self.waiter.wake()
+
+    def _apply_migrations(self) -> None:
+        while True:
+            try:
+                order, result = self._migrated.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(result, Exception):
+                log.error("migration from %s to %s failed: %s", order.source, order.dest, result)
+            else:
+                log.info(
+                    "migrated %d of %d sequences from %s to %s: %.1f MB in %.3f s%s",
+                    len(result.moved),
+                    len(order.moves),
+                    order.source,
+                    order.dest,
+                    result.num_bytes / 1e6,
+                    result.seconds,
+                    f" ({result.error})" if result.error else "",
+                )
+            self.scheduler.migrations.done(order, result)
+            self._dispatch_all = True
 
     def close(self) -> None:
         for lane in self._lanes.values():

@@ -138,6 +138,7 @@ class PassBuilder:
                 prompt_len=seq.prompt_len,
                 block_ids=block_ids,
                 prefix_token_ids=seq.token_slice(0, start),
+                lora=seq.lora,
             )
         else:  # the per-step case, built positionally: no params, prompt_len 0, no prefix tokens
             chunk = SeqChunk(seq.seq_id, start, n, token_ids, sample, None, 0, block_ids, [])

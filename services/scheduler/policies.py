@@ -150,11 +150,14 @@ def admit_new(
 
     ``split``: cut the last prompt to the budget left; else whole prompts only, when ``fits(draft, n)``.
     A sequence placed on a worker being planned joins its draft; one placed on another worker runs
-    with that worker's next pass.
+    with that worker's next pass. A sequence whose LoRA adapter no worker has room for
+    (``WaitingQueue.lora_fits``: ``max_loras`` other adapters running everywhere) is passed over,
+    and stays at its place in the queue.
     """
     queue = builder.queue
-    while queue.waiting:
-        seq = queue.waiting[0]
+    skipped = 0  # queued sequences passed over for their adapter
+    while len(queue.waiting) > skipped:
+        seq = queue.waiting[skipped]
         here = [
             s
             for s in slots
@@ -163,6 +166,11 @@ def admit_new(
         ]
         target = queue.place(seq, here, elsewhere=builder.policy.places_elsewhere, planning=slots)
         if target is None:
+            if seq.lora is not None and not any(
+                queue.lora_fits(s, seq) for s in builder.registry.slots.values()
+            ):
+                skipped += 1
+                continue
             return
         queue.admit(target, seq)
         draft = drafts.get(target.name)

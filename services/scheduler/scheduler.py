@@ -46,6 +46,7 @@ from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, Sc
 from fuseserve.pass_shape import PassShape
 from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.core_stats import SchedulerCounters
+from fuseserve.scheduler.migration import Migrations
 from fuseserve.scheduler.pass_builder import PassBuilder
 from fuseserve.scheduler.policies import Draft, get_policy
 from fuseserve.scheduler.result_applier import ResultApplier
@@ -86,7 +87,8 @@ class Scheduler:
         self._reported = SchedulerCounters()  # the events of the records made so far
         self.registry = WorkerRegistry()
         self.queue = WaitingQueue(config, self.registry, self.counters)
-        self.lifecycle = SeqLifecycle(self.registry, self.queue.waiting)
+        self.lifecycle = SeqLifecycle(self.registry, self.queue.waiting, self.counters)
+        self.migrations = Migrations(config, self.registry, self.lifecycle, self.counters)
         policy = get_policy(config.policy)
         self.builder = PassBuilder(
             config, policy, self.slo, self.registry, self.queue, self.lifecycle, self.counters
@@ -141,6 +143,8 @@ class Scheduler:
     num_surplus_tokens = property(lambda self: self.totals().num_surplus_tokens)
     num_prefix_queries = property(lambda self: self.totals().num_prefix_queries)
     num_prefix_hits = property(lambda self: self.totals().num_prefix_hits)
+    num_recomputed_tokens = property(lambda self: self.totals().num_recomputed_tokens)
+    num_migrated = property(lambda self: self.totals().num_migrated)
 
     # ----- workers -----
     def add_worker(

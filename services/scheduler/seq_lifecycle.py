@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import collections
 
+from fuseserve.scheduler.core_stats import SchedulerCounters
 from fuseserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 from fuseserve.scheduler.worker_registry import WorkerRegistry
 
 
 class SeqLifecycle:
     """Owns ``seqs`` (every sequence not finished, by id); moves sequences between the ``waiting``
-    queue (the ``WaitingQueue``'s deque), the workers of ``registry`` and the end."""
+    queue (the ``WaitingQueue``'s deque), the workers of ``registry`` and the end; counts recomputes
+    into ``counters``."""
 
-    def __init__(self, registry: WorkerRegistry, waiting: collections.deque[Sequence]):
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        waiting: collections.deque[Sequence],
+        counters: SchedulerCounters | None = None,
+    ):
         self.registry = registry
+        self.counters = counters or SchedulerCounters()
         self.waiting = waiting
         self.seqs: dict[int, Sequence] = {}
 
@@ -40,6 +48,7 @@ class SeqLifecycle:
         """Back to the front of the queue, to recompute from its prompt and generated tokens."""
         self.detach(seq)
         seq.status = SeqStatus.WAITING
+        self.counters.num_recomputed_tokens += seq.num_computed_tokens
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 

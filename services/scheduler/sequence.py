@@ -31,6 +31,9 @@ class Sequence:
         that is held by the worker as the input of a decode entry (a recompute's are not).
     cache_salt: isolates this request's prefix-cache blocks from other salts (vLLM's name); None
         shares with every request without a salt.
+    lora: the LoRA adapter the request runs with (a name of the workers' ``lora_modules``); None: the
+        base model. Part of its block hashes (adapters never share K/V) and of admission
+        (``max_loras`` distinct adapters per worker).
     block_hashes: hashes of its full blocks so far (``fuseserve/block_hash.py``), extended as tokens
         arrive.
     num_cached_tokens: prompt tokens found in the prefix cache at its first admission (usage's
@@ -56,6 +59,7 @@ class Sequence:
     admitted_at: int = -1
     num_tokens_at_admission: int = 0
     cache_salt: str | None = None
+    lora: str | None = None
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
     num_start_tokens: int = 0

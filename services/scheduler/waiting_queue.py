@@ -42,15 +42,28 @@ class WaitingQueue:
         self._admit_counter = itertools.count()
 
     def block_hashes(self, seq: Sequence, block_size: int) -> list[int]:
-        """The hashes of ``seq``'s full blocks, rooted in the model and its cache salt."""
-        return seq.full_block_hashes(block_size, root_hash(self.model_id, seq.cache_salt))
+        """The hashes of ``seq``'s full blocks, rooted in the model, its LoRA adapter and its cache
+        salt (K/V computed under one adapter never serves another, nor the base model)."""
+        extra = (f"lora:{seq.lora}",) if seq.lora is not None else ()
+        return seq.full_block_hashes(block_size, root_hash(self.model_id, seq.cache_salt, extra))
+
+    def lora_fits(self, slot: WorkerSlot, seq: Sequence) -> bool:
+        """``seq``'s LoRA adapter may join ``slot``: the base model (counts as none), an adapter of one
+        of its running sequences, or a new one while they hold fewer than ``max_loras``. Every pass
+        then holds at most ``max_loras`` distinct adapters, and the worker has a slot for each."""
+        if seq.lora is None:
+            return True
+        held = {s.lora for s in slot.running if s.lora is not None}
+        return seq.lora in held or len(held) < self.config.max_loras
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
         """Rule 2: blocks for the whole remaining prompt (past its cached prefix) plus the watermark
-        (plus ``extra_blocks``), and a free sequence slot, on a worker that is not draining."""
+        (plus ``extra_blocks``), and a free sequence slot, on a worker that is not draining and has
+        room for its LoRA adapter (``lora_fits``)."""
         return (
             not slot.draining
             and len(slot.running) < self.config.max_num_seqs
+            and self.lora_fits(slot, seq)
             and slot.account.can_reserve(
                 seq.seq_id,
                 seq.num_tokens,

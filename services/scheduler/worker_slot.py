@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,14 @@ from fuseserve.scheduler.placement import StepTimeModel
 from fuseserve.scheduler.sequence import Sequence
 from fuseserve.scheduler.slo_budget import PassLatency
 from fuseserve.types import StepPlan
+
+
+class MigrationPhase(enum.Enum):
+    """Where a draining worker is in its round of KV migration (``fuseserve.scheduler.migration``)."""
+
+    NONE = "none"  # not started (or migration is off)
+    MOVING = "moving"  # moves sent, answers awaited: the worker is not planned
+    DONE = "done"  # the round is over: what stayed finishes there
 
 
 @dataclass
@@ -58,3 +67,4 @@ class WorkerSlot:
     latency: PassLatency = field(default_factory=PassLatency)
     poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
     draining: bool = False  # the worker is stopping: its running sequences finish, no new ones come
+    migration: MigrationPhase = MigrationPhase.NONE  # its round of KV migration, while draining

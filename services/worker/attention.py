@@ -1,4 +1,4 @@
-"""Attention backends and the scoped forward context through which batch metadata reaches attention.
+"""Attention backends and the scoped forward context through which batch metadata reaches the layers.
 
 Model files call ``attention(layer_idx, q, k, v, scale, sliding_window=..., soft_cap=...)``; the backend (torch reference, Triton,
 flash-attn) and its per-pass metadata come from the ``ForwardContext`` the runner opens around the
@@ -106,13 +106,15 @@ class CpuAttentionBackend(AttentionBackend):
 
 @dataclass
 class ForwardContext:
-    """Everything attention needs for one pass: backend, its metadata, the KV cache, and the number of
-    real tokens when the pass is padded to a compiled shape."""
+    """Everything the layers need for one pass: the attention backend, its metadata, the KV cache,
+    the number of real tokens when the pass is padded to a compiled shape, and the pass's LoRA
+    adapters (``lora_layers.LoRABatch``: which tokens each adapter slot holds; None without any)."""
 
     backend: AttentionBackend
     metadata: Any
     kv_cache: KVCache
     num_tokens: int | None = None  # the batch's tokens when a compiled pass pads them (else None)
+    lora: Any = None
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -128,6 +130,13 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _CONTEXT.reset(token)
+
+
+def current_lora() -> Any:
+    """The LoRA metadata of the pass being run (``ForwardContext.lora``); None outside a pass or when
+    no token of the pass has an adapter."""
+    ctx = _CONTEXT.get()
+    return None if ctx is None else ctx.lora
 
 
 def attention(

@@ -119,26 +119,11 @@ class _Loader:
         self.staging: torch.Tensor | None = None
 
     def resolve(self, name: str) -> tuple[str, Any]:
-        """Checkpoint name → (our parameter name, part or None)."""
-        for pattern, replacement in getattr(self.model, "checkpoint_renames", ()):
-            name = re.sub(pattern, replacement, name)
-        m = _EXPERT.match(name)
-        if m:
-            experts = self._module(m["prefix"])
-            parts = getattr(experts, "checkpoint_parts", None)
-            if parts is not None and m["part"] in parts:
-                fused, part = parts[m["part"]]
-                return f"{m['prefix']}.{fused}", (int(m["expert"]), part)
-        for module, (fused, part) in getattr(self.model, "packed_modules_mapping", {}).items():
-            if f".{module}." in name:
-                return name.replace(f".{module}.", f".{fused}.", 1), part
-        return name, None
+        """Checkpoint name → (our parameter name, part or None): ``resolve_name``."""
+        return resolve_name(self.model, name)
 
     def _module(self, name: str) -> nn.Module | None:
-        try:
-            return self.model.get_submodule(name)
-        except AttributeError:
-            return None
+        return _submodule(self.model, name)
 
     def load_file(self, path: Path) -> None:
         """Read every tensor of one shard into its parameter. Raises ``ModelLoadError``."""
@@ -285,6 +270,33 @@ class _Loader:
                 if buf is not None and buf.device != self.device:
                     module._buffers[key] = buf.to(self.device)
         self.staging = None
+
+
+def resolve_name(model: nn.Module, name: str) -> tuple[str, Any]:
+    """A checkpoint tensor's name → (our parameter name, part or None), by the model's
+    ``checkpoint_renames``, its experts' ``checkpoint_parts`` and its ``packed_modules_mapping``
+    (``model.layers.0.self_attn.k_proj.weight`` → ``(model.layers.0.self_attn.qkv_proj.weight, "k")``).
+    Also used for LoRA adapters' tensors (``fuseserve.worker.lora_adapter``)."""
+    for pattern, replacement in getattr(model, "checkpoint_renames", ()):
+        name = re.sub(pattern, replacement, name)
+    m = _EXPERT.match(name)
+    if m:
+        experts = _submodule(model, m["prefix"])
+        parts = getattr(experts, "checkpoint_parts", None)
+        if parts is not None and m["part"] in parts:
+            fused, part = parts[m["part"]]
+            return f"{m['prefix']}.{fused}", (int(m["expert"]), part)
+    for module, (fused, part) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{module}." in name:
+            return name.replace(f".{module}.", f".{fused}.", 1), part
+    return name, None
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _pieces(owner: nn.Module, leaf: str, part: Any) -> list[tuple[Any, tuple[int, int, int] | None]]:

@@ -7,23 +7,26 @@ serves the in-process pipeline and the gRPC worker (``docs/architecture.md``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 
 import torch
 
-from fuseserve.config import EngineConfig, parse_dtype, parse_memory, resolve_device
-from fuseserve.errors import KVCacheTooSmallError
+from fuseserve.config import EngineConfig
+from fuseserve.device import parse_dtype, parse_memory, resolve_device
+from fuseserve.errors import InvalidRequestError, KVCacheTooSmallError
 from fuseserve.kernels.kv_quant import kv_cache_dtype
 from fuseserve.model_source import quantization_method
 from fuseserve.structured import model_grammar_backend
 from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
-from fuseserve.worker import compiled_forward, parallel, prepacked_linear
+from fuseserve.worker import compiled_forward, kv_migration, parallel, prepacked_linear
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.compiled_forward import CompiledForward
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 from fuseserve.worker.loader import load_model
+from fuseserve.worker.lora_manager import LoRAManager
 from fuseserve.worker.multi_pass_run import run_passes
 from fuseserve.worker.prompt_logprobs import PromptScorer, ScoreRows
 from fuseserve.worker.ragged_batch import RaggedBatch
@@ -66,6 +69,7 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
         if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
             prepacked_linear.prepack(self.model)  # fp32, bf16 where native; FUSESERVE_PREPACK=0 off
+        self.lora = self._load_adapters()
         self.block_size = self.config.block_size
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)  # the cache's storage
         self.backend = backend or get_backend(
@@ -107,9 +111,21 @@ class ModelRunner:
             str(self.kv_dtype).split(".")[-1],
         )
 
+    def _load_adapters(self) -> LoRAManager | None:
+        """The adapters of ``config.lora_modules`` wrapped around the model (``lora_manager.py``);
+        None without any. Raises ``LoRAAdapterError`` for one that cannot be served."""
+        c = self.config
+        if not c.lora_modules:
+            return None
+        return LoRAManager(self.model, c.lora_paths(), c.max_loras, c.max_lora_rank, self.dtype, self.device)
+
     def _compile(self, progress: bool) -> None:
         """Compile the forward (``compiled_forward``) and run its warm-up; a model the compiler cannot
-        take whole (a data-dependent shape, say) is logged and runs eagerly."""
+        take whole (a data-dependent shape, say) is logged and runs eagerly. With LoRA adapters the
+        forward runs eagerly (the compiled forward does not take them)."""
+        if self.lora is not None:
+            log.warning("LoRA adapters are served eagerly: the compiled forward does not take them")
+            return
         budget = min(
             self.config.token_budget or DEFAULT_WARM_UP_TOKENS, self.model.args.max_position_embeddings
         )
@@ -171,6 +187,14 @@ class ModelRunner:
         self.seq_table.free(seq_ids)
         self.scorer.free(seq_ids)
 
+    def export_seq(self, seq_id: int):
+        """The ``kv_migration.SeqSnapshot`` of a decoding sequence (``kv_migration.export_model_seq``)."""
+        return kv_migration.export_model_seq(self, seq_id)
+
+    def import_seq(self, snap, block_ids: list[int]) -> None:
+        """Take a sequence moved from another worker into ``block_ids`` (``kv_migration.import_model_seq``)."""
+        kv_migration.import_model_seq(self, snap, block_ids)
+
     def step(self, plan: StepPlan) -> StepResult:
         """Run ``plan``'s passes (``multi_pass_run.run_passes``; one unless ``plan.num_passes > 1``)."""
         return run_passes(self, plan, self.step_pass)
@@ -208,8 +232,11 @@ class ModelRunner:
         """
         self.free(plan.free_seq_ids)
         batch, sampling_chunks = self.prepare(plan)
-        if all_logits:
-            batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
+        if all_logits:  # in plan order (a pass with adapters lays its tokens out adapter by adapter)
+            rows = batch.plan_rows
+            batch.logits_indices = (
+                torch.arange(batch.num_tokens, device=self.device) if rows is None else rows
+            )
         metadata = self.backend.prepare(batch, self.block_size)
         hidden, logits = self.forward_batch(batch, metadata)
         self.seq_table.computed(plan.chunks)
@@ -218,7 +245,7 @@ class ModelRunner:
     def forward_batch(self, batch: RaggedBatch, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over ``batch``: hidden states ``[T, hidden]`` and fp32 logits ``[S', vocab]`` of
         ``batch.logits_indices``; prompt logprobs of this pass go to ``self._scored``."""
-        ctx = ForwardContext(self.backend, metadata, self.kv_cache)
+        ctx = ForwardContext(self.backend, metadata, self.kv_cache, lora=batch.lora)
         with forward_context(ctx):
             if self.compiled is not None:
                 hidden = self.compiled(batch.input_ids, batch.positions, ctx)
@@ -232,13 +259,20 @@ class ModelRunner:
         """Build the flattened ragged batch; block tables grow by the ids the chunks carry.
 
         Raises what ``SeqTable.admit`` raises: ``SchedulerError`` for an inconsistent plan,
-        ``InvalidBlockError`` for a block id outside the pool.
+        ``InvalidBlockError`` for a block id outside the pool; ``InvalidRequestError`` for a LoRA
+        adapter this worker does not serve (``LoRAManager.slot``).
         """
+        admitted = [(c, *self.seq_table.admit(c)) for c in plan.chunks]
+        slots = self._lora_slots([seq for _, seq, _, _ in admitted])
+        order: list[int] = list(range(len(admitted)))
+        if len(set(slots)) > 1:  # adapter by adapter: each slot's tokens contiguous (few, long segments)
+            order.sort(key=slots.__getitem__)
         input_ids: list[int] = []
-        starts, query_lens, context_lens, tables, logits_idx, sampling_chunks = [], [], [], [], [], []
+        starts, query_lens, context_lens, tables = [], [], [], []
+        sampled: list[tuple[int, int, SeqChunk]] = []  # (plan index, logits row, chunk)
         self._score_rows = []
-        for c in plan.chunks:
-            seq, tokens, table = self.seq_table.admit(c)
+        for i in order:
+            c, seq, tokens, table = admitted[i]
             if c.prefix_token_ids:  # a cached prefix: its tokens count for penalties all the same
                 self._record_tokens(seq, 0, c.prefix_token_ids)
             self._record_tokens(seq, c.start_pos, tokens)
@@ -255,10 +289,33 @@ class ModelRunner:
             context_lens.append(c.start_pos + c.num_tokens)
             tables.append(table)
             if c.sample:
-                logits_idx.append(len(input_ids) - 1)
-                sampling_chunks.append(c)
+                sampled.append((i, len(input_ids) - 1, c))
+        sampled.sort(key=lambda s: s[0])  # sampled tokens are returned in plan order
+        logits_idx = [row for _, row, _ in sampled]
         batch = self._ragged_batch(input_ids, starts, query_lens, context_lens, tables, logits_idx)
-        return batch, sampling_chunks
+        if slots:
+            batch.lora = self.lora.batch([slots[i] for i in order], query_lens)
+            if order != sorted(order):
+                offsets = [0, *itertools.accumulate(query_lens)]
+                where = {chunk: k for k, chunk in enumerate(order)}
+                batch.plan_rows = torch.cat(
+                    [torch.arange(offsets[where[i]], offsets[where[i] + 1]) for i in range(len(order))]
+                ).to(self.device)
+        return batch, [c for _, _, c in sampled]
+
+    def _lora_slots(self, seqs: list[WorkerSeq]) -> list[int]:
+        """Each sequence's LoRA adapter slot (-1: the base model; ``LoRAManager.slot``); empty when
+        the worker serves no adapter. Raises ``InvalidRequestError`` for an adapter it does not serve."""
+        if self.lora is None:
+            named = [s.lora for s in seqs if s.lora is not None]
+            if named:
+                raise InvalidRequestError(f"LoRA adapter {named[0]!r}: this worker serves none", "lora")
+            return []
+        return [self.lora.slot(s.lora, self._live_adapters) for s in seqs]
+
+    def _live_adapters(self) -> set[str]:
+        """The LoRA adapters of the sequences this worker holds."""
+        return {s.lora for s in self.seqs.values() if s.lora is not None}
 
     def _ragged_batch(
         self,

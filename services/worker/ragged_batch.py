@@ -7,6 +7,7 @@ model runner's prepare stage from a ``StepPlan`` and the worker's block tables.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,9 @@ class RaggedBatch:
     slot_mapping: ``[T]`` int64 KV-cache slot of each token.
     logits_indices: ``[S']`` int64 indices into T of the tokens whose logits are needed.
     query_lens / context_lens: the same counts as Python lists (for host-side planning).
+    lora: which tokens each LoRA adapter slot holds (``lora_layers.LoRABatch``); None: base only.
+    plan_rows: ``[T]`` int64 the batch's rows in plan order when the chunks were laid out in another
+        order (adapter by adapter, ``ModelRunner.prepare``); None: the plan's order.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +38,8 @@ class RaggedBatch:
     logits_indices: torch.Tensor
     query_lens: list[int]
     context_lens: list[int]
+    lora: Any = None
+    plan_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

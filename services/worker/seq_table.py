@@ -33,6 +33,7 @@ class WorkerSeq:
     prompt_len: prompt tokens (penalties tell prompt from generated tokens by it).
     stopped: a multi-pass plan stopped it on a stop token (``multi_pass_run.py``); its chunks in plans
         built before the scheduler learned so are dropped until it is freed or restarted.
+    lora: the LoRA adapter it runs with (its first chunk's ``lora``); None: the base model.
     """
 
     num_computed: int
@@ -41,6 +42,7 @@ class WorkerSeq:
     prompt_len: int
     block_table: list[int]
     stopped: bool = False
+    lora: str | None = None
 
 
 class SeqTable:
@@ -76,6 +78,16 @@ class SeqTable:
                 for b in seq.block_table:
                     if self._holders[b] <= 0:
                         self._holders.pop(b, None)
+
+    def adopt(self, seq_id: int, seq: WorkerSeq) -> None:
+        """Take a sequence moved here from another worker (``kv_migration``), its table filled with
+        blocks of this pool. Raises ``InvalidBlockError`` for a block id outside the pool."""
+        bad = [b for b in seq.block_table if not 0 <= b < self.num_blocks]
+        if bad:
+            raise InvalidBlockError(f"seq {seq_id}: block ids {bad} outside [0, {self.num_blocks})")
+        self.free([seq_id])
+        self.seqs[seq_id] = seq
+        self._holders.update(seq.block_table)
 
     def admit(self, c: SeqChunk) -> tuple[WorkerSeq, list[int], list[int]]:
         """Check one chunk against the sequence's state and allocate the blocks it needs.
@@ -120,7 +132,7 @@ class SeqTable:
             if seq is not None:  # a recompute restarts the sequence from scratch
                 self.free([c.seq_id])
             sampling = self._new_sampling(c.params) if self._new_sampling else None
-            seq = WorkerSeq(c.start_pos, None, sampling, c.prompt_len, [])
+            seq = WorkerSeq(c.start_pos, None, sampling, c.prompt_len, [], lora=c.lora)
             self.seqs[c.seq_id] = seq
         if seq is None:
             raise SchedulerError(f"seq {c.seq_id}: unknown; its first chunk must carry sampling params")

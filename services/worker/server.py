@@ -30,10 +30,13 @@ import grpc
 
 from fuseserve import messages
 from fuseserve.drain_signal import DrainSignal
+from fuseserve.errors import InvalidBlockError, SchedulerError
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
 from fuseserve.types import StepPlan
+from fuseserve.worker import kv_migration
+from fuseserve.worker.registration import Registration, wait_drained
 from fuseserve.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: seconds a plan waits for its predecessor (a lower step_id) before it runs anyway
 ORDER_WAIT_S = 5.0
+#: seconds a migration's transfer to the destination may take
+MIGRATE_TIMEOUT_S = 120.0
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -214,6 +219,65 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self._lock.notify_all()
             return pb.FreeResponse(num_free_blocks=self.runner.num_free_blocks, fence=self.fence)
 
+    def Migrate(self, request, context):
+        """Move sequences to ``request.dest_address`` (``kv_migration``): snapshot them under the lock
+        (no pass runs meanwhile), stream them to the destination's ``ImportSeqs``, drop those it took."""
+        with self._lock:
+            if request.fence < self.fence:
+                self._count_fenced()
+                return pb.MigrateResponse(fenced=True, error=f"fence {request.fence} is below {self.fence}")
+            snaps, errors = [], []
+            for move in request.moves:
+                try:
+                    if not hasattr(self.runner, "export_seq"):
+                        raise SchedulerError(f"{type(self.runner).__name__} does not migrate sequences")
+                    snaps.append((self.runner.export_seq(move.seq_id), list(move.dest_block_ids)))
+                except SchedulerError as e:
+                    errors.append(str(e))
+        start = time.perf_counter()
+        parts = (p for snap, ids in snaps for p in kv_migration.to_parts(snap, ids, request.dest_fence))
+        moved: list[int] = []
+        if snaps:
+            try:
+                with grpc.insecure_channel(request.dest_address, options=convert.GRPC_OPTIONS) as channel:
+                    answer = pb_grpc.WorkerStub(channel).ImportSeqs(parts, timeout=MIGRATE_TIMEOUT_S)
+                moved = list(answer.seq_ids)
+                if answer.error or answer.fenced:
+                    errors.append(answer.error or "the destination refused the fence")
+            except grpc.RpcError as e:
+                errors.append(f"destination {request.dest_address}: {e.code().name}")
+        with self._lock:
+            self.runner.free(moved)
+        num_bytes = sum(snap.num_bytes for snap, _ in snaps if snap.seq_id in set(moved))
+        seconds = time.perf_counter() - start
+        log.info(
+            "migrated %d sequences (%.1f MB in %.3f s) to %s",
+            len(moved),
+            num_bytes / 1e6,
+            seconds,
+            request.dest_address,
+        )
+        return pb.MigrateResponse(
+            moved_seq_ids=moved, num_bytes=num_bytes, seconds=seconds, error="; ".join(errors)
+        )
+
+    def ImportSeqs(self, request_iterator, context):
+        """Take the sequences a source worker streams here (``kv_migration.from_parts``), each into the
+        blocks the scheduler reserved, under the lock; stops at the first one refused."""
+        taken: list[int] = []
+        layout = kv_migration.cache_layout(self.runner)
+        try:
+            for snap, block_ids, fence in kv_migration.from_parts(request_iterator, *layout):
+                with self._lock:
+                    if fence < self.fence:
+                        self._count_fenced()
+                        return pb.ImportResponse(seq_ids=taken, fenced=True)
+                    self.runner.import_seq(snap, block_ids)
+                taken.append(snap.seq_id)
+        except (SchedulerError, InvalidBlockError) as e:
+            return pb.ImportResponse(seq_ids=taken, error=str(e))
+        return pb.ImportResponse(seq_ids=taken)
+
     def Health(self, request, context):
         return pb.HealthResponse(
             ok=True,
@@ -251,7 +315,7 @@ def simulated_runner(args: argparse.Namespace):
     The model name is ``--model`` as given (the gateway serves that model's tokenizer). Raises
     ``InvalidParameterError`` for an unknown preset or a slowdown that is not > 0.
     """
-    from fuseserve.config import parse_memory
+    from fuseserve.device import parse_memory
     from fuseserve.errors import InvalidParameterError
     from fuseserve.worker.latency_model import get_preset
     from fuseserve.worker.sim_runner import SimulatedRunner
@@ -265,69 +329,6 @@ def simulated_runner(args: argparse.Namespace):
         num_blocks = int(parse_memory(args.kv_cache_memory) // (model.kv_bytes_per_token * args.block_size))
     runner = SimulatedRunner(model, args.block_size, num_blocks, slowdown)
     return runner, str(args.model), args.token_budget or model.knee()
-
-
-def wait_drained(runner, drain: DrainSignal) -> int:
-    """After the drain notice: wait until ``runner`` has held no sequence for ``DRAIN_NOTICE_S`` since
-    the notice (no scheduler places one on it any more), or until ``drain`` expires. Returns the
-    number of sequences still held (to be handed back), 0 when drained."""
-    notice = time.monotonic()
-    while not drain.expired():
-        if not runner.seqs and time.monotonic() - notice >= messages.DRAIN_NOTICE_S:
-            return 0
-        drain.wait(0.05)
-    n = len(runner.seqs)
-    if n:
-        log.warning("drain deadline: handing %d sequences back for recompute elsewhere", n)
-    return n
-
-
-class Registration:
-    """The worker's Redis record (``messages.WorkerRecord``): written every ``HEARTBEAT_S`` while it
-    serves, marked ``draining`` on the drain notice, deleted when it stops. One writer at a time, so
-    the drain notice is never overwritten by a heartbeat in flight."""
-
-    def __init__(self, redis_url: str, worker_id: str, record: messages.WorkerRecord):
-        import redis
-
-        self.r = redis.Redis.from_url(redis_url)
-        self._error = redis.RedisError
-        self.key = messages.worker_key(worker_id)
-        self.record = record
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
-
-    def write(self) -> None:
-        with self._lock:
-            try:
-                self.r.set(self.key, self.record.encode(), ex=messages.WORKER_TTL_S)
-            except self._error as e:
-                log.warning("heartbeat failed: %s", e)
-
-    def _heartbeat(self) -> None:
-        while not self._stop.is_set():
-            self.write()
-            self._stop.wait(messages.HEARTBEAT_S)
-
-    def start(self) -> None:
-        self._beat.start()
-
-    def drain(self) -> None:
-        """Say ``draining``: schedulers place no new sequence here."""
-        with self._lock:
-            self.record.draining = True
-        self.write()
-
-    def stop(self) -> None:
-        """Stop the heartbeat and delete the record."""
-        self._stop.set()
-        self._beat.join()
-        with self._lock:
-            try:
-                self.r.delete(self.key)
-            except self._error:
-                pass
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -378,7 +379,9 @@ def run_worker(args: argparse.Namespace) -> int:
     registration.drain()
     handed_back = wait_drained(runner, drain)
     registration.stop()
-    server.stop(grace=2).wait()  # plans still arriving are refused: their sequences recompute elsewhere
+    # plans still arriving are refused: their sequences recompute elsewhere. Drained clean, only the
+    # scheduler's idle Steps stream is open: no need to hold it for long
+    server.stop(grace=0.5 if not handed_back else 2).wait()
     log.info("worker %s drained (%d sequences handed back)", worker_id, handed_back)
     if hasattr(runner, "close"):  # a tensor-parallel runner stops its other ranks
         runner.close()

@@ -22,8 +22,10 @@ import zlib
 from array import array
 from dataclasses import dataclass
 
+from fuseserve.errors import SchedulerError
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.types import SampledToken, StepPlan, StepResult, TokenLogprob
+from fuseserve.worker.kv_migration import SeqSnapshot
 from fuseserve.worker.latency_model import LatencyModel
 from fuseserve.worker.multi_pass_run import run_passes
 from fuseserve.worker.runner import WorkerInfo
@@ -91,6 +93,37 @@ class SimulatedRunner:
     def free(self, seq_ids: list[int]) -> None:
         """Drop sequences and return their blocks (unknown ids are ignored)."""
         self.seq_table.free(seq_ids)
+
+    def export_seq(self, seq_id: int):
+        """The ``kv_migration.SeqSnapshot`` of a decoding sequence: counters, parameters and prompt key
+        (no K/V: the simulated device holds none). Raises ``SchedulerError`` when it is not decoding."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.last_token is None:
+            raise SchedulerError(f"seq {seq_id}: not a decoding sequence on this worker")
+        key = seq.sampling.key.to_bytes(8, "little")
+        params = seq.sampling.params
+        return SeqSnapshot(
+            seq_id,
+            seq.num_computed,
+            seq.last_token,
+            seq.prompt_len,
+            [],
+            [],
+            params,
+            "",
+            runner_state=key,
+            lora=seq.lora,
+        )
+
+    def import_seq(self, snap, block_ids: list[int]) -> None:
+        """Take a sequence moved from another worker into ``block_ids``."""
+        state = SimSeqState(snap.params, int.from_bytes(snap.runner_state, "little"))
+        self.seq_table.adopt(
+            snap.seq_id,
+            WorkerSeq(
+                snap.num_computed, snap.last_token, state, snap.prompt_len, list(block_ids), lora=snap.lora
+            ),
+        )
 
     def pass_seconds(self, plan: StepPlan) -> float:
         """Modelled seconds of ``plan`` on this worker (slowdown included); 0 for an empty plan."""

@@ -4,7 +4,7 @@ Run by ``./dev.sh test-containers`` (the marker ``containers`` keeps it out of `
 Needs Podman (installed with apt when running as root; skipped with the reason otherwise). Builds the
 images with ``deploy/build-images.sh`` (wheelhouse and base root filesystems cached in
 ``$FUSESERVE_DEPLOY_CACHE``, default ``~/.cache/fuseserve/deploy``), brings up redis, gateway,
-scheduler, ``--scale worker=2`` and, with ``--profile monitoring``, Prometheus, with Debian's
+``--scale scheduler=2``, ``--scale worker=2`` and, with ``--profile monitoring``, Prometheus, with Debian's
 ``docker-compose`` through Podman's Docker API (``deploy/podman-compose.sh``), and then:
 
 - the ``openai`` client gets "Paris" through the gateway's published port, which refuses a missing
@@ -13,7 +13,8 @@ scheduler, ``--scale worker=2`` and, with ``--profile monitoring``, Prometheus, 
   says so) without compiling its own;
 - no container restarted on the way up (each starts through ``deploy/restart-backoff.sh``);
 - Prometheus (the offline Debian image, on ``monitoring/prometheus.yml`` and the alert rules) has
-  every target up: the gateway, the scheduler and both workers;
+  every target up: the gateway, both schedulers (each found by DNS, scraped on its own) and both
+  workers;
 - one worker container is stopped (SIGTERM: it drains) while 8 streams run, and all 8 finish with
   the text of an undisturbed run; the container is then removed and the stack keeps serving;
 - the gateway's token counter, as Prometheus scraped it, equals the tokens the clients received
@@ -50,6 +51,8 @@ pytestmark = [pytest.mark.containers, pytest.mark.timeout(3600)]
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "fuseserve-ctest"
 PROFILE = ["--profile", "monitoring"]
+SCALE = ["--scale", "scheduler=2", "--scale", "worker=2"]
+TARGETS_UP = {"gateway": 1, "scheduler": 2, "worker": 2}  # Prometheus' targets up, by job
 PROMPT = "What is the capital of France?"
 STREAM_PROMPTS = [
     "Name three colours of the rainbow.",
@@ -194,7 +197,7 @@ def stack():
         t0 = time.monotonic()
         deadline = t0 + UP_TIMEOUT_S
         # `up` returns once every container has started: the gateway and workers after convert-model
-        _compose("up", "-d", "--scale", "worker=2", env=env, timeout=UP_TIMEOUT_S)
+        _compose("up", "-d", *SCALE, env=env, timeout=UP_TIMEOUT_S)
         REPORT["compose_up_returned_s"] = round(time.monotonic() - t0, 1)
         while (health := _health(port)) is None or health.get("workers") != 2:
             if time.monotonic() > deadline:
@@ -210,7 +213,7 @@ def stack():
             time.sleep(3)
         REPORT["all_containers_healthy_s"] = round(time.monotonic() - t0, 1)
         REPORT["containers"] = sorted(states)
-        while _up_by_job(targets := _targets(prometheus_port)) != {"gateway": 1, "scheduler": 1, "worker": 2}:
+        while _up_by_job(targets := _targets(prometheus_port)) != TARGETS_UP:
             if time.monotonic() > deadline:
                 pytest.fail(f"Prometheus targets not all up after {UP_TIMEOUT_S} s: {targets}")
             time.sleep(3)
@@ -339,13 +342,14 @@ def test_no_container_restarted(stack):
 def test_prometheus_scrapes_every_service_and_loads_the_alert_rules(stack):
     _, prometheus_port, _ = stack
     targets = _targets(prometheus_port)
-    assert _up_by_job(targets) == {"gateway": 1, "scheduler": 1, "worker": 2}, targets
+    assert _up_by_job(targets) == TARGETS_UP, targets
     assert all(t["health"] == "up" for t in targets), targets
     rules = _get_json(f"http://127.0.0.1:{prometheus_port}/api/v1/rules")["data"]["groups"]
     names = {rule["name"] for group in rules for rule in group["rules"]}
     assert "FuseserveNoLiveWorker" in names, names
     assert all(rule["health"] == "ok" for group in rules for rule in group["rules"]), rules
-    assert _query(prometheus_port, "sum(fuseserve_num_workers)") == 2.0
+    assert _query(prometheus_port, "sum(fuseserve_num_workers)") == 2.0  # each worker driven by one
+    assert _query(prometheus_port, "count(fuseserve_num_workers)") == 2.0  # a series per scheduler
 
 
 def test_a_worker_stopped_under_load_loses_no_stream(stack):

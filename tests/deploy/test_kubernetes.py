@@ -146,10 +146,44 @@ def test_keda_scales_the_workers_on_the_requests_stream(objects):
     )
 
 
-def test_servicemonitor_overlay_selects_the_metrics_services():
+def test_servicemonitor_scrapes_each_service_once_on_every_pod():
+    """The ServiceMonitor selects one Service of the gateway, of the schedulers and of the workers,
+    each with a port it scrapes that targets the pods' container port. The operator scrapes a
+    Service's Endpoints: one target per replica."""
     objects = render(KUBERNETES / "overlays/servicemonitor")
     monitor = by_kind(objects, "ServiceMonitor")["fuseserve"]
     ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    (expr,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert expr["operator"] == "In"
+    selected = [
+        service
+        for service in by_kind(objects, "Service").values()
+        if service["metadata"].get("labels", {}).get(expr["key"]) in expr["values"]
+    ]
+    deployments = by_kind(objects, "Deployment")
+    for name in ("gateway", "scheduler", "worker"):
+        pod_labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        scraped = [
+            port
+            for service in selected
+            if service["spec"]["selector"].items() <= pod_labels.items()
+            for port in service["spec"]["ports"]
+            if port["name"] in ports
+        ]
+        assert len(scraped) == 1, (name, scraped)  # scraped, and once
+        assert scraped[0]["targetPort"] in {p["name"] for p in _container(deployments[name])["ports"]}
+
+
+def test_every_scheduler_replica_is_discoverable(objects):
+    """Several schedulers run side by side: a rolling update starts the new one before the old one
+    drains, and their metrics Service is headless (one DNS A record per pod, not a load-balanced
+    address), as the workers' is."""
+    deployments = by_kind(objects, "Deployment")
+    strategy = deployments["scheduler"]["spec"]["strategy"]
+    assert strategy["type"] == "RollingUpdate" and strategy["rollingUpdate"]["maxUnavailable"] == 0
     services = by_kind(objects, "Service")
-    exposed = {p["name"] for s in services.values() for p in s["spec"]["ports"]}
-    assert ports <= exposed
+    for name in ("scheduler", "worker"):
+        service = services[f"{name}-metrics"]["spec"]
+        assert service["clusterIP"] == "None", name
+        pod_labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        assert service["selector"].items() <= pod_labels.items(), name

@@ -90,6 +90,70 @@ def test_alerts_and_dashboard_name_only_exported_metrics():
         assert name in used, f"nothing shows {name}"
 
 
+# An aggregation (over every scraped replica) applied right to a metric, or to its rate.
+_AGGREGATED = re.compile(
+    r"\b(sum|max|min|count)\s*(by\s*\([^)]*\)\s*)?\(\s*((rate|increase|irate)\s*\(\s*)?fuseserve_[a-z0-9_]+"
+)
+# Gauges that are a ratio or a setting of one worker: adding them over replicas means nothing.
+_NOT_ADDITIVE = ("fuseserve_kv_cache_usage_perc", "fuseserve_token_budget")
+
+
+def test_queries_add_replicas_up_correctly():
+    """Several gateways, schedulers and workers are scraped at once (monitoring/README.md, "How the
+    dashboard and the alerts add replicas up"): every metric a query names is aggregated over them
+    (counters as ``sum(rate())``, gauges by ``sum``, histograms by ``sum by (le)``), nothing is
+    averaged, and a ratio or a setting is never summed."""
+    for where, expr in _exprs():
+        names = _NAME_RE.findall(expr)
+        aggregated = _AGGREGATED.findall(expr)
+        assert len(aggregated) == len(names), f"{where}: a metric is not aggregated over replicas: {expr}"
+        assert not re.search(r"\bavg\s*(by\s*\([^)]*\)\s*)?\(", expr), f"{where} averages: {expr}"
+        for name in _NOT_ADDITIVE:
+            assert not re.search(rf"\bsum\s*(by\s*\([^)]*\)\s*)?\(\s*{name}\b", expr), f"{where} sums {name}"
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool not installed (Debian: apt install prometheus)"
+)
+def test_scheduler_stalled_fires_for_the_stalled_scheduler_of_two(tmp_path):
+    """``promtool test rules``: scheduler a plans passes, b holds a queue and plans none, c holds a
+    queue and has never planned a pass (no series). The alert fires for b and c, not a; summed over
+    schedulers (a's passes hiding b's stall) it would not fire at all."""
+    shutil.copy(MONITORING / "alerts.yml", tmp_path / "alerts.yml")
+    waiting = "fuseserve_num_requests_waiting"
+    passes = "fuseserve_iteration_tokens_total_count"
+    series = [
+        (f'{waiting}{{instance="a:9101",model_name="m"}}', "3x40"),
+        (f'{waiting}{{instance="b:9101",model_name="m"}}', "2x40"),
+        (f'{waiting}{{instance="c:9101",model_name="m"}}', "1x40"),
+        (f'{passes}{{instance="a:9101",model_name="m",worker="w0"}}', "0+1x40"),
+        (f'{passes}{{instance="b:9101",model_name="m",worker="w1"}}', "5x40"),
+    ]
+    expected = [
+        {
+            "exp_labels": {"severity": "critical", "instance": f"{i}:9101"},
+            "exp_annotations": {
+                "summary": f"Scheduler {i}:9101 is not stepping while requests wait",
+                "description": f"{n} sequences wait in scheduler {i}:9101 and it planned no pass in 2 minutes.",
+            },
+        }
+        for i, n in (("b", 2), ("c", 1))
+    ]
+    case = {
+        "interval": "15s",
+        "input_series": [{"series": name, "values": values} for name, values in series],
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "FuseserveSchedulerStalled", "exp_alerts": expected},
+        ],
+    }
+    test = {"rule_files": ["alerts.yml"], "evaluation_interval": "15s", "tests": [case]}
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        ["promtool", "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_every_metric_is_documented_with_its_owner():
     readme = (MONITORING / "README.md").read_text()
     for service, names in exported().items():
@@ -154,7 +218,9 @@ def test_scheduler_passes_budget_and_queue_time_counted_once():
     assert value("fuseserve_token_budget", {"model_name": "m", "worker": "w0"}) == 256
     for observe in core.scheduler.pass_observers:  # what Scheduler.schedule_workers calls per plan
         observe("w0", 640, 600)
+        observe("w1", 640, 0)  # a plan that only frees: no pass, as for the tokens histogram
     assert value("fuseserve_iteration_token_budget_sum", {"model_name": "m", "worker": "w0"}) == 640
+    assert value("fuseserve_iteration_token_budget_count", {"model_name": "m", "worker": "w1"}) is None
     m.drop_worker("w0")
     slots.clear()
     assert value("fuseserve_token_budget", {"model_name": "m", "worker": "w0"}) is None

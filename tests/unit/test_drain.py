@@ -13,7 +13,7 @@ import pytest
 from fuseserve import messages
 from fuseserve.drain_signal import DrainSignal
 from fuseserve.scheduler.service import scheduler_drain
-from fuseserve.worker.server import wait_drained
+from fuseserve.worker.registration import wait_drained
 
 
 def test_first_signal_drains_second_stops_now():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuseserve import config
+from fuseserve import device
 from fuseserve.cli import build_parser
 from fuseserve.errors import InvalidParameterError
 
@@ -25,23 +25,23 @@ X86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f 
 def test_cpu_has_bf16_reads_cpuinfo_flags(tmp_path, text, expected):
     f = tmp_path / "cpuinfo"
     f.write_text(text)
-    assert config.cpu_has_bf16(f) is expected
+    assert device.cpu_has_bf16(f) is expected
 
 
 def test_cpu_has_bf16_without_cpuinfo(tmp_path):
-    assert config.cpu_has_bf16(tmp_path / "missing") is False
+    assert device.cpu_has_bf16(tmp_path / "missing") is False
 
 
 @pytest.mark.parametrize("has_bf16,want", [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_follows_the_cpu_and_float32_is_one_flag_away(monkeypatch, has_bf16, want):
-    monkeypatch.setattr(config, "cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda: has_bf16)
     cpu = torch.device("cpu")
-    assert config.parse_dtype("auto", cpu) == want
-    assert config.parse_dtype(None, cpu) == want
-    assert config.parse_dtype("float32", cpu) == torch.float32
-    assert config.parse_dtype("bf16", cpu) == torch.bfloat16
+    assert device.parse_dtype("auto", cpu) == want
+    assert device.parse_dtype(None, cpu) == want
+    assert device.parse_dtype("float32", cpu) == torch.float32
+    assert device.parse_dtype("bf16", cpu) == torch.bfloat16
     with pytest.raises(InvalidParameterError):
-        config.parse_dtype("int8", cpu)
+        device.parse_dtype("int8", cpu)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

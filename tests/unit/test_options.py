@@ -42,6 +42,8 @@ def _other_value(f, hint):
         return not f.default
     if name_of(f) == "served_model_name":
         return ["a", "b"]
+    if name_of(f) == "lora_modules":
+        return ["a=/x", "b=/y"]
     if name_of(f) == "kv_cache_memory":
         return "64MiB"
     if name_of(f) == "simulate_slowdown":

@@ -31,6 +31,8 @@ def test_stubs_import_from_package():
         "Step",
         "Steps",
         "Free",
+        "Migrate",
+        "ImportSeqs",
         "Health",
     }
 
@@ -71,7 +73,7 @@ def _plan() -> StepPlan:
         step_id=2**40 + 7,
         chunks=[
             SeqChunk(seq_id=1, start_pos=0, num_tokens=4, token_ids=[10, 11, 12, 13], sample=False,
-                     params=full_params(), prompt_len=9),
+                     params=full_params(), prompt_len=9, lora="team-a"),
             SeqChunk(seq_id=2**63 + 5, start_pos=37, num_tokens=1),  # decode entry: no token ids
             SeqChunk(seq_id=3, start_pos=4, num_tokens=5, token_ids=[1, 2, 3, 4, 5], sample=True),
         ],

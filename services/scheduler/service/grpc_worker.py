@@ -32,11 +32,13 @@ from fuseserve.errors import WorkerFencedError, WorkerLostError
 from fuseserve.proto import convert
 from fuseserve.proto import worker_pb2 as pb
 from fuseserve.proto import worker_pb2_grpc as pb_grpc
+from fuseserve.scheduler.migration import MigrationResult
 from fuseserve.types import StepPlan, StepResult
 
 STEP_TIMEOUT_S = 300.0  # a pass on a slow CPU can take seconds; a hung worker is cut off after this
 WATCH_S = 5.0  # how often the loop looks for a plan older than STEP_TIMEOUT_S
 CALL_TIMEOUT_S = 10.0  # Free / opening and closing the stream
+MIGRATE_TIMEOUT_S = 150.0  # a KV migration (the worker's own transfer limit is 120 s)
 
 #: called on the loop thread with a plan's step_id and its ``StepResult`` or exception
 OnResult = Callable[[int, "StepResult | Exception"], None]
@@ -130,6 +132,16 @@ class IOLoop:
         if self._waiter is not None:
             _resolve(self._waiter)
 
+    def spawn(self, coro) -> None:
+        """Run ``coro`` on the loop as a task of its own (from any thread; a driven loop runs it while
+        its owner waits)."""
+        if self.threaded:
+            asyncio.run_coroutine_threadsafe(coro, self.loop)
+        elif self._own():
+            self.loop.create_task(coro)
+        else:
+            self.loop.call_soon_threadsafe(self.loop.create_task, coro)
+
     def post(self, worker: GrpcWorker, step_id: int, request: pb.StepRequest, on_result: OnResult) -> None:
         """Queue a plan for ``worker``'s stream: at once on a driven loop's own thread; otherwise
         through the outbox, waking the loop only when the outbox was empty."""
@@ -220,6 +232,29 @@ class GrpcWorker:
         if isinstance(box[0], Exception):
             raise box[0]
         return box[0]
+
+    def migrate(self, dest: GrpcWorker, moves: list[tuple[int, list[int]]], on_done) -> None:
+        """Ask this (source) worker to move ``moves`` ``(seq_id, destination block ids)`` to ``dest``
+        with their K/V (``Migrate``); ``on_done`` gets a ``migration.MigrationResult``, or
+        ``WorkerFencedError`` / ``WorkerLostError``, once, on the loop thread. Never blocks."""
+        request = pb.MigrateRequest(
+            fence=self.fence,
+            dest_address=dest.record.address,
+            dest_fence=dest.fence,
+            moves=[pb.SeqMove(seq_id=sid, dest_block_ids=ids) for sid, ids in moves],
+        )
+        self._aio.spawn(self._migrate(request, on_done))
+
+    async def _migrate(self, request: pb.MigrateRequest, on_done) -> None:
+        try:
+            r = await self._stub.Migrate(request, timeout=MIGRATE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            on_done(WorkerLostError(f"{self.record.address}: Migrate: {e.code().name}"))
+            return
+        if r.fenced:
+            on_done(WorkerFencedError(f"worker {self.record.worker_id}: {r.error}"))
+        else:
+            on_done(MigrationResult(list(r.moved_seq_ids), r.num_bytes, r.seconds, r.error))
 
     def reset(self) -> None:
         """Free everything the worker holds (it may have served a previous scheduler); starts this

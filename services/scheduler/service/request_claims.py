@@ -16,9 +16,13 @@ cannot reach a client once the peer has spoken.
 
 from __future__ import annotations
 
+import logging
+
 import redis
 
 from fuseserve import messages
+
+log = logging.getLogger(__name__)
 
 #: XAUTOCLAIM (ARGV: group, consumer, min idle ms, start, count), then each claimed entry's delivery
 #: count: ``{next start, entries, counts}``. An entry deleted while pending is nil in Redis 6.2's
@@ -108,3 +112,23 @@ def parse_claim(reply: list) -> tuple[str, list[tuple[str, dict, int]]]:
 def parse_touch(replies: list) -> list[str]:
     """The entry ids the touch scripts found no longer this scheduler's (one list per reply)."""
     return [entry_id for reply in replies for entry_id in reply]
+
+
+def drop_lost(service) -> None:
+    """In ``service``'s loop (a ``SchedulerService``): drop the requests its heartbeat found claimed
+    by a peer (``note_lost_requests``): no event, no ack; the peer serves them now."""
+    if not service.lost_entries:
+        return
+    lost = set()
+    while service.lost_entries:
+        lost.add(service.lost_entries.popleft())
+    by_entry = {o.entry_id: seq_id for seq_id, o in service.owners.items()}
+    dropped = [by_entry[e] for e in lost if e in by_entry]
+    for seq_id in dropped:
+        service.core.abort(seq_id)  # no event, no ack: the request is the peer's now
+        del service.owners[seq_id]
+        service.metrics.forget(seq_id)
+    if dropped:
+        log.warning("a peer took over %d of this scheduler's requests (it stalled); dropped", len(dropped))
+        service.num_lost_to_peers += len(dropped)
+        service.room_changed = True

@@ -108,6 +108,7 @@ def hand_over_waiting(service) -> int:
         service.metrics.forget(seq_id)
     hand_back(service, [o.entry_id for o in owners])
     service.num_handed_over += len(owners)
+    service.room_changed = True
     return len(owners)
 
 

@@ -242,9 +242,12 @@ class SchedulerMetrics:
         for idle in stats.new_idle_s:
             self.worker_idle.observe(idle)
 
-    def observe_budget(self, worker: str, token_budget: int, _num_tokens: int) -> None:
-        """The budget chosen for one planned pass (``Scheduler.pass_observers``)."""
-        self._child(self._chosen_budget, worker).observe(token_budget)
+    def observe_budget(self, worker: str, token_budget: int, num_tokens: int) -> None:
+        """The budget chosen for one planned pass (``Scheduler.pass_observers``). A plan that only
+        frees blocks (``num_tokens`` 0) is not a pass: ``fuseserve_iteration_tokens_total`` skips it
+        too, so the two histograms count the same passes and their ``_sum`` ratio is pass fullness."""
+        if num_tokens:
+            self._child(self._chosen_budget, worker).observe(token_budget)
 
     def note_arrival(self, seq_id: int) -> None:
         """A sequence entered the queue now (not for one taken over from a dead scheduler: its
@@ -287,6 +290,7 @@ def stats_command(service) -> tuple:
     ``SchedulerService``; sets its queue-depth and running gauges."""
     record = service.core.make_stats()
     service.metrics.record(record)
+    totals = service.scheduler.totals()
     waiting, running = record.num_waiting, record.num_running
     workers = {
         name: {
@@ -311,6 +315,10 @@ def stats_command(service) -> tuple:
         "scheduler": service.consumer,
         "pid": os.getpid(),
         "taken_over": service.num_taken_over,
+        "migrated": totals.num_migrated,
+        "migrated_bytes": totals.num_migrated_bytes,
+        "recomputed_tokens": totals.num_recomputed_tokens,
+        "migration_seconds": totals.migration_seconds,
         "lost_to_peers": service.num_lost_to_peers,
         "handed_over": service.num_handed_over,
         "fenced_workers": service.leases.num_fenced,

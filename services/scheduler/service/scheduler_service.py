@@ -69,6 +69,8 @@ DISCOVERY_INTERVAL_S = 0.5
 CLAIM_INTERVAL_S = 0.25  # how often pending requests of dead schedulers are looked for
 CONTROL_TRIM_INTERVAL_S = 10.0
 STATS_INTERVAL_S = 1.0
+EARLY_ABORT_KEEP_S = 120.0  # as long as control entries are kept (redis_io.CONTROL_KEEP_S)
+EARLY_ABORT_MAX = 10_000  # remembered aborts of unread requests before the old ones are dropped
 
 
 @dataclass
@@ -114,12 +116,13 @@ class SchedulerService:
         self.leases = WorkerLeases(
             self.r, self.consumer, self.core, self.metrics, io=self.io, timings=self.timings
         )
-        self._lost_entries: deque[str] = deque()  # entries a peer claimed (heartbeat → loop)
+        self.lost_entries: deque[str] = deque()  # entries a peer claimed (heartbeat → loop)
         self.num_lost_to_peers = 0  # requests a peer took over from this scheduler (it had stalled)
         self.num_handed_over = 0  # waiting requests handed to a peer for want of a worker
+        self._early_aborts: dict[int, float] = {}  # seq id -> when its abort came, before its request
         self.metrics.watch(self.core)
         self._last_discovery = self._last_claim = self._last_stats = self._last_trim = 0.0
-        self._room_changed = True  # recompute ``room`` for the request reader
+        self.room_changed = True  # recompute ``room`` for the request reader
         self.no_worker_since: float | None = None  # since when it has had no worker (None: it has one)
         self._cpu0 = time.process_time()
         self.accepting = True  # reads new requests (False while draining: ``scheduler.drain``)
@@ -169,6 +172,9 @@ class SchedulerService:
             msg = messages.RequestMessage.decode(fields)
             if msg.seq_id in self.owners:
                 continue
+            if self._early_aborts.pop(msg.seq_id, None) is not None:
+                rejected.append(entry_id)  # its client left before any scheduler read it: never run
+                continue
             try:
                 params = SamplingParams.from_dict(msg.params)
                 seq = Sequence(msg.seq_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt)
@@ -189,7 +195,7 @@ class SchedulerService:
             self.owners[msg.seq_id] = _Owner(msg.gateway_id, entry_id, seq, count[0] if count else 0)
             if not taken_over:
                 self.metrics.note_arrival(msg.seq_id)
-        self._room_changed = True
+        self.room_changed = True
         self.conn.publish(errors, rejected)
 
     def room(self) -> int:
@@ -214,19 +220,29 @@ class SchedulerService:
                 self._apply_control(entries)
             else:
                 nogroup = True
-        if batches or self._room_changed or not self.accepting:  # draining: room 0 at once
-            self._room_changed = False
+        if batches or self.room_changed or not self.accepting:  # draining: room 0 at once
+            self.room_changed = False
             self.inbox.set_room(self.room(), batches)
         if nogroup:
             raise redis.ResponseError("NOGROUP the request stream's consumer group is gone")
 
     def _apply_control(self, entries) -> None:
+        """Aborts: of an owned sequence, now; of one not read yet (its client left while it waited in
+        the request stream), remembered for ``EARLY_ABORT_KEEP_S``, so that whichever scheduler reads
+        it drops it unrun."""
+        now = time.monotonic()
         for _, fields in entries:
             msg = messages.ControlMessage.decode(fields)
-            if msg.kind == "abort" and msg.seq_id in self.owners:
+            if msg.kind != "abort":
+                continue
+            if msg.seq_id in self.owners:
                 reason = FinishReason.STOP if msg.reason == "stop" else FinishReason.ABORT
                 self.core.abort(msg.seq_id, reason)
                 self._finish(msg.seq_id)
+            else:
+                self._early_aborts[msg.seq_id] = now
+        if len(self._early_aborts) > EARLY_ABORT_MAX:
+            self._early_aborts = {s: t for s, t in self._early_aborts.items() if now - t < EARLY_ABORT_KEEP_S}
 
     # ----- outputs -----
     def publish_events(self, events: list[TokenEvent]) -> None:
@@ -243,39 +259,20 @@ class SchedulerService:
                 done.append(self.owners.pop(ev.seq_id).entry_id)
                 self.metrics.forget(ev.seq_id)
         if done:
-            self._room_changed = True
+            self.room_changed = True
         self.conn.publish(by_gateway, done)
 
     def note_lost_requests(self, entry_ids: list[str]) -> None:
         """From the heartbeat: request entries a peer claimed while this scheduler stalled. The loop
-        drops them (``_drop_lost``): the peer serves them, and an ack from here would end its claim."""
-        self._lost_entries.extend(entry_ids)
+        drops them (``request_claims.drop_lost``): the peer serves them, and an ack from here would end its claim."""
+        self.lost_entries.extend(entry_ids)
         self.core.wakeup()
-
-    def _drop_lost(self) -> None:
-        if not self._lost_entries:
-            return
-        lost = set()
-        while self._lost_entries:
-            lost.add(self._lost_entries.popleft())
-        by_entry = {o.entry_id: seq_id for seq_id, o in self.owners.items()}
-        dropped = [by_entry[e] for e in lost if e in by_entry]
-        for seq_id in dropped:
-            self.core.abort(seq_id)  # no event, no ack: the request is the peer's now
-            del self.owners[seq_id]
-            self.metrics.forget(seq_id)
-        if dropped:
-            log.warning(
-                "a peer took over %d of this scheduler's requests (it stalled); dropped", len(dropped)
-            )
-            self.num_lost_to_peers += len(dropped)
-            self._room_changed = True
 
     def _finish(self, seq_id: int) -> None:
         owner = self.owners.pop(seq_id, None)
         self.metrics.forget(seq_id)
         if owner is not None:
-            self._room_changed = True
+            self.room_changed = True
             self.conn.publish({}, [owner.entry_id])
 
     # ----- loop -----
@@ -290,7 +287,7 @@ class SchedulerService:
         """Periodic work (discovery, take-over, stats) when due, then what the readers handed over;
         returns the seconds until the next periodic task (a hand-over or a result ends it sooner)."""
         now = time.monotonic()
-        self._drop_lost()
+        request_claims.drop_lost(self)
         self._periodic(now)
         scheduler_drain.serve_if_no_worker(self, now)
         self._apply_inbox()
@@ -338,7 +335,7 @@ class SchedulerService:
     def _discovered(self, reply) -> None:
         self.leases.discover(reply)
         self.metrics.workers.set(len(self.scheduler.slots))
-        self._room_changed = True
+        self.room_changed = True
 
     def stats_cpu(self, seconds: float, num_steps: int) -> None:
         """Record ``seconds`` of this process's CPU for ``num_steps`` worker-steps (stats + metric)."""

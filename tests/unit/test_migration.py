@@ -1,0 +1,144 @@
+"""KV migration, the scheduler's side (``services/scheduler/migration.py``) over fake workers that
+move their sequences' state and slots the way ``Migrate`` does: a draining worker's decoding
+sequences continue on the other worker with no recompute and the same tokens; the block accounts stay
+exact; an abort while a move is in flight, a failed move and migration off behave."""
+
+from __future__ import annotations
+
+from fake_worker import FakeWorker
+
+from fuseserve.config import EngineConfig
+from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.engine_core import EngineCore
+from fuseserve.scheduler.migration import MigrationResult
+from fuseserve.scheduler.sequence import Sequence
+from fuseserve.scheduler.worker_slot import MigrationPhase
+
+BS = 4
+PARAMS = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+class MovingWorker(FakeWorker):
+    """A fake worker with ``migrate``: copies each sequence's tokens and slots into the destination's
+    given blocks and drops it here. ``hold``: keep the answer until ``release()`` (a move in flight)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.hold = False
+        self.fail = False
+        self._held = []
+
+    def migrate(self, dest: MovingWorker, moves, on_done) -> None:
+        moved = []
+        if not self.fail:
+            for seq_id, block_ids in moves:
+                seq = self.seqs.pop(seq_id)
+                for i, b in enumerate(seq.table[: len(block_ids)]):
+                    dest.slots[block_ids[i]] = list(self.slots[b])
+                seq.table = list(block_ids)
+                dest.seqs[seq_id] = seq
+                moved.append(seq_id)
+        result = MigrationResult(moved, num_bytes=100 * len(moved), seconds=0.01)
+        if self.hold:
+            self._held.append((on_done, result))
+        else:
+            on_done(result)
+
+    def release(self) -> None:
+        for on_done, result in self._held:
+            on_done(result)
+        self._held = []
+
+
+def _core(migration: str = "drain") -> tuple[EngineCore, dict[str, MovingWorker]]:
+    history: dict = {}
+    workers = {n: MovingWorker(num_blocks=64, block_size=BS, name=n, history=history) for n in ("w0", "w1")}
+    core = EngineCore(EngineConfig(token_budget=32, block_size=BS, migration=migration), eos_token_ids=[])
+    for name, w in workers.items():
+        core.add_worker(name, w, 64, BS, 1 << 12, threaded=False)
+    return core, workers
+
+
+def _reference() -> dict[int, list[int]]:
+    core, _ = _core()
+    return _run(core, _requests(core))
+
+
+def _requests(core: EngineCore) -> list[Sequence]:
+    seqs = [Sequence(i, [5 + i] * (6 + 3 * i), PARAMS) for i in range(6)]
+    for s in seqs:
+        core.add_request(s)
+    return seqs
+
+
+def _run(core: EngineCore, seqs, until=None, steps: int = 500) -> dict[int, list[int]]:
+    for _ in range(steps):
+        if until is not None and until():
+            break
+        if not core.has_work:
+            break
+        core.step()
+    return {s.seq_id: list(s.output_token_ids) for s in seqs}
+
+
+def _decoding(core: EngineCore, name: str) -> bool:
+    running = core.scheduler.slots[name].running
+    return len(running) >= 2 and all(not s.in_prefill and len(s.output_token_ids) >= 2 for s in running)
+
+
+def test_a_draining_workers_sequences_move_and_finish_with_the_same_tokens():
+    want = _reference()
+    core, workers = _core()
+    seqs = _requests(core)
+    _run(core, seqs, until=lambda: _decoding(core, "w0"))
+    moving = {s.seq_id for s in core.scheduler.slots["w0"].running}
+    core.drain_worker("w0")
+    got = _run(core, seqs)
+    assert got == want
+    sched = core.scheduler
+    assert sched.num_migrated == len(moving) and sched.num_recomputed_tokens == 0
+    assert sched.slots["w0"].migration is MigrationPhase.DONE and not sched.slots["w0"].running
+    assert not any(w.errors for w in workers.values())  # every plan kept the contract
+    for slot in sched.slots.values():
+        slot.account.check()
+
+
+def test_an_abort_while_the_move_is_in_flight_frees_the_sequence_on_the_destination():
+    core, workers = _core()
+    seqs = _requests(core)
+    _run(core, seqs, until=lambda: _decoding(core, "w0"))
+    victim = core.scheduler.slots["w0"].running[0]
+    workers["w0"].hold = True
+    core.drain_worker("w0")
+    _run(core, seqs, until=lambda: core.scheduler.slots["w0"].migration is not MigrationPhase.NONE)
+    assert core.scheduler.slots["w0"].migration is MigrationPhase.MOVING  # the answer is held
+    core.abort(victim.seq_id)
+    workers["w0"].release()
+    _run(core, seqs)
+    assert victim.seq_id not in workers["w1"].seqs  # freed there with w1's next plan
+    for slot in core.scheduler.slots.values():
+        slot.account.check()
+    assert all(len(s.output_token_ids) == 12 for s in seqs if s is not victim)
+
+
+def test_a_failed_move_leaves_the_sequences_finishing_at_home():
+    want = _reference()
+    core, workers = _core()
+    seqs = _requests(core)
+    _run(core, seqs, until=lambda: _decoding(core, "w0"))
+    workers["w0"].fail = True
+    core.drain_worker("w0")
+    assert _run(core, seqs) == want
+    assert core.scheduler.num_migrated == 0 and core.scheduler.num_recomputed_tokens == 0
+    for slot in core.scheduler.slots.values():
+        slot.account.check()
+
+
+def test_migration_off_lets_them_finish_at_home():
+    core, workers = _core("off")
+    seqs = _requests(core)
+    _run(core, seqs, until=lambda: _decoding(core, "w0"))
+    held = {s.seq_id for s in core.scheduler.slots["w0"].running}
+    core.drain_worker("w0")
+    _run(core, seqs)
+    assert core.scheduler.num_migrated == 0 and held <= set(workers["w0"].history)
