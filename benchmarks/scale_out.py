@@ -107,13 +107,18 @@ class Load:
     done_tokens: int = 0
     errors: int = 0
     stop: bool = False
+    left: int | None = None  # a burst: requests still to send (None: until stopped)
+    last_done: float = 0.0  # when the last request finished (time.monotonic)
+    latencies: list[float] = field(default_factory=list)
 
     def draw(self, rng: np.random.Generator, mean: int) -> int:
         return int(np.clip(np.rint(rng.normal(mean, 0.3 * mean)), 1, mean * 1.9))
 
     async def client(self, http: httpx.AsyncClient, index: int) -> None:
         rng = np.random.default_rng(self.seed * 100_003 + index)
-        while not self.stop:
+        while not self.stop and (self.left is None or self.left > 0):
+            if self.left is not None:
+                self.left -= 1
             prompt = rng.integers(SIM_FIRST_TOKEN, SIM_VOCAB_SIZE, self.draw(rng, self.prompt_mean)).tolist()
             body = {
                 "model": MODEL,
@@ -122,6 +127,7 @@ class Load:
                 "temperature": 0.0,
                 "ignore_eos": True,
             }
+            sent = time.monotonic()
             try:
                 r = await http.post(f"{self.base}/v1/completions", json=body)
                 r.raise_for_status()
@@ -134,6 +140,8 @@ class Load:
             if self.window[0] <= now <= self.window[1]:
                 self.done_requests += 1
                 self.done_tokens += tokens
+                self.latencies.append(now - sent)
+                self.last_done = now
 
 
 class Bench:
@@ -202,14 +210,18 @@ class Bench:
     async def measure(self, label: str, clients: int) -> dict:
         """Warm up, then measure one window with ``clients`` closed-loop clients."""
         a = self.args
-        load = Load(self.base, a.prompt_mean, a.output_mean, a.seed + clients)
+        load = Load(self.base, a.prompt_mean, a.output_mean, a.seed + clients, left=a.burst)
         limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
         async with (
             httpx.AsyncClient(timeout=600, limits=limits) as http,
             httpx.AsyncClient(timeout=10) as probe,
         ):
-            tasks = [asyncio.create_task(load.client(http, i)) for i in range(clients)]
-            await self._tick(a.warmup, label, "warm-up")
+
+            def start() -> list[asyncio.Task]:
+                return [asyncio.create_task(load.client(http, i)) for i in range(clients)]
+
+            tasks = [] if a.burst else start()
+            await self._tick(0.0 if a.burst else a.warmup, label, "warm-up")
             procs = {"scheduler": self.pid("scheduler"), "gateway": self.pid("gateway")}
             if self.stack.redis.process is not None:
                 procs["redis"] = self.stack.redis.process.pid
@@ -219,11 +231,12 @@ class Bench:
             for w in self.workers:
                 w.start = await scrape(probe, w.metrics_port)
             t0 = time.monotonic()
-            load.window = (t0, t0 + a.seconds)
+            load.window = (t0, float("inf") if a.burst else t0 + a.seconds)
+            tasks = start() if a.burst else tasks  # a burst: from the first request to the last answer
             intervals: list[float] = []
             last_cpu, last_steps, last_t = cpu0["scheduler"], self._steps([w.start for w in self.workers]), t0
-            while time.monotonic() < t0 + a.seconds:
-                await asyncio.sleep(SAMPLE_S)
+            while not all(t.done() for t in tasks) if a.burst else time.monotonic() < t0 + a.seconds:
+                await (asyncio.wait(tasks, timeout=SAMPLE_S) if a.burst else asyncio.sleep(SAMPLE_S))
                 now = await asyncio.gather(*(scrape(probe, w.metrics_port) for w in self.workers))
                 cpu, steps = cpu_seconds(procs["scheduler"]), self._steps(now)
                 if steps > last_steps:
@@ -236,7 +249,7 @@ class Bench:
                 self._advance(time.monotonic() - last_t, label, f"{tok / (time.monotonic() - t0):.0f} tok/s")
                 last_t = time.monotonic()
             end = await asyncio.gather(*(scrape(probe, w.metrics_port) for w in self.workers))
-            wall = time.monotonic() - t0
+            wall = (load.last_done if a.burst else time.monotonic()) - t0
             cpu1 = {k: cpu_seconds(p) for k, p in procs.items()}
             wcpu1 = sum(cpu_seconds(w.pid) for w in self.workers)
             me1 = time.process_time()
@@ -272,6 +285,8 @@ class Bench:
             "sched_cpu_ms_per_step_p99": percentile(intervals, 99),
             "cpu_cores": cores,
             "loadavg_1m": os.getloadavg()[0],
+            "burst": a.burst,
+            "mean_latency_s": statistics.fmean(load.latencies) if load.latencies else float("nan"),
         }
 
     def _drain(self, since: float, timeout: float = 60.0) -> None:
@@ -334,10 +349,19 @@ def report(records: list[dict]) -> list[str]:
             slow = max(range(len(r["slowdowns"])), key=lambda i: r["slowdowns"][i])
             ratio = r["worker_tokens"][fast] / max(1.0, r["worker_tokens"][slow])
             r["fast_slow_token_ratio"] = ratio
+            r["slow_token_share"] = r["worker_tokens"][slow] / max(1.0, sum(r["worker_tokens"]))
             lines.append(
                 f"heterogeneous (slowdowns {r['slowdowns']}): fast worker busy {r['worker_busy'][fast]:.0%}, "
-                f"slow {r['worker_busy'][slow]:.0%}; tokens fast/slow = {ratio:.2f}"
+                f"slow {r['worker_busy'][slow]:.0%}; tokens fast/slow = {ratio:.2f}, "
+                f"slow share {r['slow_token_share']:.3f}; mean latency {r['mean_latency_s']:.2f} s"
             )
+            alone = [x for x in records if x["label"] == "scale" and x["slowdowns"] == [r["slowdowns"][fast]]]
+            if alone:
+                r["vs_fast_alone"] = r["gen_tokens_per_s"] / alone[0]["gen_tokens_per_s"]
+                lines.append(
+                    f"  pair / fast worker alone: gen tok/s x{r['vs_fast_alone']:.2f} "
+                    f"(mean latency {alone[0]['mean_latency_s']:.2f} s alone)"
+                )
     return lines
 
 
@@ -351,6 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         "--hetero", default="1,3", help="relative slowdowns of the heterogeneous pair ('' skips it)"
     )
     ap.add_argument("--clients-per-worker", type=int, default=8)
+    ap.add_argument(
+        "--clients", type=int, default=None, help="closed-loop clients of every run (overrides per worker)"
+    )
+    ap.add_argument(
+        "--burst",
+        type=int,
+        default=None,
+        help="send this many requests in all per run, no warm-up; tok/s = tokens / (first send to last answer)",
+    )
     ap.add_argument("--prompt-mean", type=int, default=256)
     ap.add_argument("--output-mean", type=int, default=64)
     ap.add_argument(
@@ -387,11 +420,12 @@ def main(argv: list[str] | None = None) -> int:
             bench.bar = bar
             for n in sizes:
                 bench.set_workers([a.slowdown] * n)
-                records.append(asyncio.run(bench.measure("scale", a.clients_per_worker * n)))
+                records.append(asyncio.run(bench.measure("scale", a.clients or a.clients_per_worker * n)))
                 write_jsonl(partial, records[-1])  # kept if a later size fails
             if hetero:
                 bench.set_workers(hetero)
-                records.append(asyncio.run(bench.measure("hetero", a.clients_per_worker * len(hetero))))
+                clients = a.clients or a.clients_per_worker * len(hetero)
+                records.append(asyncio.run(bench.measure("hetero", clients)))
                 write_jsonl(partial, records[-1])
     finally:
         bench.stop()

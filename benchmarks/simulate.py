@@ -18,8 +18,13 @@ Its latency prior is what a real worker's start-up profile gives (single-prompt 
 ``PROFILE_SIZES`` tokens, here from the preset); the effect of context and sequence count is learned
 online from the simulated passes, as on a real worker.
 
+With ``--hetero F,F,...`` it runs placement instead: one simulated worker per slowdown (each pass
+``plan_seconds x F``, each worker on its own lane of the clock, its pass times fitted by placement)
+against the fastest worker alone, same requests and clients (``simulate_workers``).
+
 Run: ``python -m benchmarks.simulate`` (A100 + A6000 presets, both workload shapes);
-``python -m benchmarks.simulate --target-itl 0.25 --target-prefill-rate 512``.
+``python -m benchmarks.simulate --target-itl 0.25 --target-prefill-rate 512``;
+``python -m benchmarks.simulate --hetero 4,12 --clients 16,32,64 --requests-per-client 4``.
 """
 
 from __future__ import annotations
@@ -172,6 +177,84 @@ def simulate(
     )
 
 
+def simulate_workers(
+    model: LatencyModel,
+    slowdowns: Seq[float],
+    requests: Seq[SimRequest],
+    num_clients: int,
+    token_budget: int,
+    block_size: int = 16,
+) -> dict:
+    """Closed-loop clients against the real `Scheduler` with one worker per slowdown (each pass takes
+    ``plan_seconds x slowdown``), on a simulated clock: each worker runs one plan at a time and reports
+    its pass time, which placement fits. Returns tokens/s (generated tokens ÷ time to the last
+    answer), each worker's share of the tokens, mean and p95 request latency."""
+    sched = Scheduler(EngineConfig(token_budget=token_budget, block_size=block_size), [])
+    lanes = {
+        f"w{i}": {"plan": None, "start": 0.0, "end": 0.0, "f": f, "tokens": 0}
+        for i, f in enumerate(slowdowns)
+    }
+    for name in lanes:
+        sched.add_worker(name, model.kv_capacity_tokens // block_size, block_size, 1 << 20, token_budget)
+    now, sent, started, latencies = 0.0, 0, {}, []
+
+    def send() -> None:
+        nonlocal sent
+        r = requests[sent]
+        params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        sched.add(Sequence(sent, [sent + 1] + [0] * (r.prompt_len - 1), params))
+        started[sent], sent = now, sent + 1
+
+    for _ in range(min(num_clients, len(requests))):
+        send()
+    while sched.has_work:
+        for name, lane in lanes.items():
+            if lane["plan"] is None and (plan := sched.schedule_worker(name)) is not None:
+                lane["plan"], lane["start"] = plan, now
+                lane["end"] = now + model.plan_seconds(plan) * lane["f"]
+        now, name = min((lane["end"], n) for n, lane in lanes.items() if lane["plan"] is not None)
+        lane = lanes[name]
+        plan, lane["plan"] = lane["plan"], None
+        tokens = [SampledToken(c.seq_id, 0) for c in plan.chunks if c.sample]
+        lane["tokens"] += len(tokens)
+        for ev in sched.postprocess(name, StepResult(plan.step_id, tokens, now - lane["start"])):
+            if ev.finish_reason is not None:
+                latencies.append(now - started[ev.seq_id])
+                if sent < len(requests):
+                    send()
+    total = sum(lane["tokens"] for lane in lanes.values())
+    return {
+        "slowdowns": list(slowdowns),
+        "clients": num_clients,
+        "tokens_per_s": total / now,
+        "token_share": [lane["tokens"] / total for lane in lanes.values()],
+        "mean_latency_s": float(np.mean(latencies)),
+        "p95_latency_s": float(np.percentile(latencies, 95)),
+    }
+
+
+def run_hetero(model: LatencyModel, slowdowns: list[float], clients: Seq[int], workload: tuple[int, int],
+               requests_per_client: int, seed: int) -> list[dict]:  # fmt: skip
+    """The fastest worker alone, then all ``slowdowns`` together, for each client count; printed."""
+    records = []
+    for n in clients:
+        reqs = make_sim_requests(requests_per_client * n, *workload, seed=seed + n)
+        alone = simulate_workers(model, [min(slowdowns)], reqs, n, model.knee())
+        group = simulate_workers(model, slowdowns, reqs, n, model.knee())
+        group["vs_fastest_alone"] = group["tokens_per_s"] / alone["tokens_per_s"]
+        print(
+            f"   clients {n:>3}: fastest alone {alone['tokens_per_s']:7.1f} tok/s, latency "
+            f"{alone['mean_latency_s']:6.2f} s | slowdowns {slowdowns}: {group['tokens_per_s']:7.1f} tok/s "
+            f"(x{group['vs_fastest_alone']:.3f}), token shares {[round(x, 3) for x in group['token_share']]}, "
+            f"latency {group['mean_latency_s']:6.2f} s, p95 {group['p95_latency_s']:6.2f} s"
+        )
+        records += [
+            alone | {"workload": f"{workload[0]}/{workload[1]}"},
+            group | {"workload": f"{workload[0]}/{workload[1]}"},
+        ]
+    return records
+
+
 def run_grid(
     model: LatencyModel,
     workload: tuple[int, int],
@@ -276,12 +359,29 @@ def main(argv: list[str] | None = None) -> None:
         metavar="TOKENS_PER_S",
         help="TTFT target = prompt tokens / this rate for the splitfuse+slo run (the paper's SLA: 512)",
     )
+    ap.add_argument(
+        "--hetero",
+        default=None,
+        metavar="F,F,...",
+        help="instead: workers of these slowdowns (e.g. 4,12) against the fastest alone (placement)",
+    )
+    ap.add_argument("--workload", default=None, help="with --hetero: PROMPT/OUTPUT means (default 512/64)")
     ap.add_argument("--out", default="benchmarks/results/simulate.jsonl")
     args = ap.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
     out = Path(args.out)
     out.unlink(missing_ok=True)
     print("*** SIMULATION: real Scheduler, modelled forward pass, simulated clock. Not a measurement. ***")
+    if args.hetero:
+        wl = tuple(int(x) for x in (args.workload or "512/64").split("/"))
+        for key in args.preset or ["a100-llama2-7b"]:
+            print(
+                f"== {PRESETS[key].name}, workload {wl[0]}/{wl[1]}, {args.requests_per_client} requests per client"
+            )
+            slowdowns = [float(f) for f in args.hetero.split(",")]
+            for r in run_hetero(PRESETS[key], slowdowns, clients, wl, args.requests_per_client, args.seed):
+                write_jsonl(out, r | {"preset": key})
+        return
     for key in args.preset or ["a100-llama2-7b", "a6000-llama2-7b"]:
         model = PRESETS[key]
         budget = args.token_budget or model.knee()

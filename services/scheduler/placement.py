@@ -1,13 +1,19 @@
-"""Placement by capacity: each worker's measured step-time curve gives its speed; sequences are
-shared out in proportion to speed.
+"""Placement by expected completion: each worker's measured step-time curve says when a new
+sequence would finish there; it goes where that is soonest.
 
 A worker reports the seconds of every pass (``StepResult.forward_seconds``). Pass time is close to
 linear in the tokens of the pass (``seconds ≈ a + b x tokens``, the paper's measured fact that latency
-depends mainly on the token count), so each worker keeps a least-squares fit over its recent passes,
-and its speed is ``budget / t(budget)`` tokens per second at a full pass. A new sequence goes where
-``(sequences held + 1) / speed`` is smallest: every worker then holds sequences in proportion to its
-speed, its passes are as full as the others', and a sequence waits about as long wherever it is
-placed. A worker 3x slower holds, and serves, about a third as much.
+depends mainly on the token count), so each worker keeps a least-squares fit over its recent passes.
+``expected_finish`` turns the line, the worker's running sequences, queued prompt tokens and plans in
+flight into the seconds a new sequence would take there (its prompt, then its output). Where ``a``
+dominates (GPU decode passes bound by the weights' bandwidth) batching is nearly free, so a 3x-slower
+worker only finishes a sequence sooner once the faster one is loaded well past its own batch: at light
+load everything goes to the fast worker, which serves each request about 3x sooner; under a long queue
+the slower worker takes the queue's head when the queue's last request would finish later on the
+faster one (``WaitingQueue.place``).
+
+``seconds_per_share`` (``(sequences + 1) x t(budget) / budget``) is the earlier rule, shares in
+proportion to speed; it remains the load measure of the prefix-aware guard (``near_least_loaded``).
 """
 
 from __future__ import annotations
@@ -46,8 +52,8 @@ class StepTimeModel:
         mx = sum(x for x, _ in samples) / n
         my = sum(y for _, y in samples) / n
         sxx = sum((x - mx) ** 2 for x, _ in samples)
-        if sxx <= 1e-9:  # every pass had the same size: no slope to learn, time proportional to tokens
-            return (0.0, my / mx)
+        if sxx <= 1e-9:  # every pass had the same size: no slope to learn, the same time at any size
+            return (my, 0.0)
         b = max(0.0, sum((x - mx) * (y - my) for x, y in samples) / sxx)
         return (max(0.0, my - b * mx), b)
 
@@ -77,6 +83,48 @@ def seconds_per_share(
     if t is None:
         return 0.0
     return (num_seqs + 1) * t / token_budget
+
+
+def expected_finish(
+    model: StepTimeModel,
+    fallback: StepTimeModel | None,
+    token_budget: int,
+    num_running: int,
+    queued_tokens: int,
+    inflight_tokens: list[int],
+    prompt_tokens: int,
+    output_tokens: int,
+) -> float:
+    """Seconds until a new sequence placed on this worker now would finish (expected completion).
+
+    The worker holds ``num_running`` sequences, ``queued_tokens`` prompt tokens placed on it and not
+    planned yet, and plans in flight of ``inflight_tokens`` tokens each; the new sequence brings
+    ``prompt_tokens`` to compute (past any cached prefix) and ``output_tokens`` to generate. With
+    ``t(n)`` the fitted pass time (``fallback``'s for a worker with no measured pass; 0.0 when neither
+    has one: no information, the caller breaks the tie):
+
+    - passes in flight: ``t(n)`` each, the first counted half (it is under way);
+    - prefill: the queued prompts, then this one, go through passes of ``token_budget`` tokens of
+      which the running decodes take one each, so ``(queued + prompt) / (budget - running)`` passes of
+      ``t(budget)`` (one pass of ``t(running + queued + prompt)`` when that fits in one);
+    - decode: ``output_tokens - 1`` passes holding the running sequences and this one,
+      ``t(running + 1)`` each.
+
+    Increasing in every load term (queue, running sequences, passes in flight). On a worker whose
+    pass time hardly grows with the batch (``a`` of ``a + b x n`` dominant) a faster worker wins even
+    with many sequences: a slower worker is only used once the faster one's queue or batch makes it
+    the later finish.
+    """
+    if model.seconds(1) is None:
+        model = fallback if fallback is not None else model
+    if model.seconds(1) is None:
+        return 0.0
+    t = model.seconds
+    ahead = sum(t(n) for n in inflight_tokens) - (0.5 * t(inflight_tokens[0]) if inflight_tokens else 0.0)
+    room = max(1, token_budget - num_running)
+    tokens = queued_tokens + prompt_tokens
+    prefill = t(num_running + tokens) if tokens <= room else tokens / room * t(token_budget)
+    return ahead + prefill + max(0, output_tokens - 1) * t(num_running + 1)
 
 
 #: prefix-aware placement considers the workers whose load is within this factor of the least

@@ -188,7 +188,11 @@ class SplitFuse(Policy):
         key = None
         slo = builder.slo
         if slo is not None and slo.target_prefill_rate is not None:
-            slo.order_waiting(builder.queue.waiting)  # waiting prompts earliest TTFT deadline first
+            # waiting prompts earliest TTFT deadline first; the overdue last when the KV cache is short
+            free = sum(
+                s.account.num_free * s.account.block_size for s in builder.queue.registry.slots.values()
+            )
+            slo.order_waiting(builder.queue.waiting, free)
             key = slo.deadline
         drafts = {s.name: builder.new_draft(s) for s in slots}
         for slot in slots:

@@ -167,12 +167,26 @@ class SLOBudget:
             return math.inf
         return seq.arrival_time + seq.prompt_len / self.target_prefill_rate
 
-    def order_waiting(self, waiting: collections.deque[Sequence]) -> None:
-        """Sort the queue earliest TTFT deadline first (stable: FIFO among equal deadlines)."""
-        if self.target_prefill_rate is not None and len(waiting) > 1:
-            ordered = sorted(waiting, key=self.deadline)
-            waiting.clear()
-            waiting.extend(ordered)
+    def order_waiting(self, waiting: collections.deque[Sequence], kv_free_tokens: int | None = None) -> None:
+        """Sort the queue earliest TTFT deadline first (stable: FIFO among equal deadlines); when the
+        queue's tokens exceed ``kv_free_tokens`` (the free KV cache of the workers, in tokens), the
+        prompts already past their deadline go behind the others.
+
+        Admission under overload: while the KV cache holds fewer requests than are sent, a freed slot
+        goes to the queue's most overdue prompt under earliest deadline first, so every admitted
+        request has already missed its TTFT target (it waited for the overdue ones ahead) and
+        effective throughput falls to 0. Giving the freed blocks to a prompt that can still meet its
+        deadline keeps the admitted requests inside their targets; the overdue ones wait until no
+        such prompt is queued (they have missed it either way).
+        """
+        if self.target_prefill_rate is None or len(waiting) <= 1:
+            return
+        ordered = sorted(waiting, key=self.deadline)
+        if kv_free_tokens is not None and sum(s.num_tokens for s in ordered) > kv_free_tokens:
+            now = self.clock()
+            ordered.sort(key=lambda s: self.deadline(s) <= now)  # stable: EDF within each group
+        waiting.clear()
+        waiting.extend(ordered)
 
     def prompts(
         self, slot: WorkerSlot, waiting: collections.deque[Sequence], num_workers: int

@@ -2,8 +2,9 @@
 
 A queued sequence is admitted onto a worker only when blocks exist for its whole remaining prompt
 (past the prefix its worker already caches) plus a watermark; among the workers that can take it,
-it goes where it is served soonest (``fuseserve.scheduler.placement``), or with prefix-aware
-placement where most of its prompt is cached among the workers loaded near the least.
+it goes where it is expected to finish soonest (``fuseserve.scheduler.placement``), or waits for a
+busier worker that would finish it sooner; with prefix-aware placement, where most of its prompt is
+cached among the workers loaded near the least.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import itertools
 from fuseserve.block_hash import root_hash
 from fuseserve.config import EngineConfig
 from fuseserve.scheduler.core_stats import SchedulerCounters
-from fuseserve.scheduler.placement import near_least_loaded, seconds_per_share
+from fuseserve.scheduler.placement import (
+    StepTimeModel,
+    expected_finish,
+    near_least_loaded,
+    seconds_per_share,
+)
 from fuseserve.scheduler.sequence import SeqStatus, Sequence
 from fuseserve.scheduler.worker_registry import WorkerRegistry
 from fuseserve.scheduler.worker_slot import WorkerSlot
@@ -107,18 +113,19 @@ class WaitingQueue:
     def place(
         self, seq: Sequence, here: list[WorkerSlot], elsewhere: bool, planning: list[WorkerSlot]
     ) -> WorkerSlot | None:
-        """The worker that would serve ``seq`` soonest, or None when none can take it now.
+        """The worker expected to finish ``seq`` soonest, or None when it cannot be placed now.
 
         ``here``: workers being planned whose pass has room for the prompt. ``elsewhere``: workers
         not being planned (``planning``) are candidates too, while their queued prompt tokens are
         under one pass (a prompt is bound to a worker at most a pass ahead) and they keep a block per
         running sequence for its next decode. Every candidate must pass rule 2. Soonest: the smallest
-        ``placement.seconds_per_share`` (sequences in proportion to measured speed); ties (no
+        ``placement.expected_finish`` (its prompt and output on that worker, from the worker's
+        measured pass times, running sequences, queued prompts and plans in flight); ties (no
         measurement yet) go to the worker with the larger share of free blocks, then fewer running
-        sequences. Among the workers loaded near the least (``placement.near_least_loaded``: the
-        balance guard), one caching more of the prompt (with prefix-aware placement) wins, then one
-        where ``seq``'s LoRA adapter is resident (``lora_resident``: no slot to load, no slot taken
-        from another adapter).
+        sequences. None too when ``seq`` waits for a faster worker (``_waits_for_faster``). Among
+        the workers loaded near the least (``placement.near_least_loaded``: the balance guard), one
+        caching more of the prompt (with prefix-aware placement) wins, then one where ``seq``'s LoRA
+        adapter is resident (``lora_resident``: no slot to load, no slot taken from another adapter).
         """
         candidates = [s for s in here if self.can_admit(s, seq)]
         if elsewhere:
@@ -131,30 +138,70 @@ class WaitingQueue:
                     candidates.append(slot)
         if not candidates:
             return None
-        if len(candidates) == 1:
-            return candidates[0]
         measured = [s.step_time for s in self.registry.slots.values() if s.step_time.seconds(1) is not None]
         fallback = measured[0] if measured else None
-        shares = [
-            seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running)) for s in candidates
-        ]
+        finish = [self._expected_finish(s, seq, fallback) for s in candidates]
+        if self._waits_for_faster(seq, candidates, min(finish), fallback):
+            return None
+        if len(candidates) == 1:
+            return candidates[0]
 
         def key(i: int):
             s = candidates[i]
-            return (round(shares[i], 9), -s.account.num_free / s.account.num_blocks, len(s.running))
+            return (round(finish[i], 9), -s.account.num_free / s.account.num_blocks, len(s.running))
 
         order = range(len(candidates))
         hits = [0] * len(candidates)
         if self.config.enable_prefix_caching and self.config.prefix_aware_placement:
             hits = [len(self.prefix_hit(s, seq)) for s in candidates]
         resident = [self.lora_resident(s, seq) for s in candidates]
-        if any(hits) or any(
-            resident
-        ):  # follow the prefix, then the adapter, among those loaded near the least
+        if any(hits) or any(resident):  # follow the prefix, then the adapter, among the near least loaded
+            shares = [
+                seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running)) for s in candidates
+            ]
             near = near_least_loaded(shares, [len(s.running) for s in candidates])
             best = min((i for i in order if near[i]), key=lambda i: (-hits[i], -resident[i], key(i)))
             return candidates[best]
         return candidates[min(order, key=key)]
+
+    def _waits_for_faster(
+        self, seq: Sequence, candidates: list[WorkerSlot], soonest: float, fallback: StepTimeModel | None
+    ) -> bool:
+        """Whether ``seq`` should wait for a worker that is no candidate now (its pass or queue is
+        full) but could take it: one expected to finish it sooner than ``soonest`` (the best
+        candidate's), so a sequence is not put on a slow worker that a fast one would finish first.
+        Unless the queue behind ``seq`` is long: the waiting sequences are alike, so placing ``seq``
+        on the candidate now is as good as placing the queue's last one there, and that one, with
+        every queued prompt ahead of it on the faster worker, would finish later there."""
+        behind = None
+        for slot in self.registry.slots.values():
+            if (
+                slot not in candidates
+                and self.can_admit(slot, seq)
+                and self._expected_finish(slot, seq, fallback) < soonest
+            ):
+                if behind is None:
+                    behind = sum(s.num_tokens for s in self.waiting if s is not seq)
+                if self._expected_finish(slot, seq, fallback, behind) < soonest:
+                    return True
+        return False
+
+    def _expected_finish(
+        self, slot: WorkerSlot, seq: Sequence, fallback: StepTimeModel | None, ahead: int = 0
+    ) -> float:
+        """``placement.expected_finish`` of ``seq`` on ``slot`` (its cached prefix not computed), with
+        ``ahead`` more prompt tokens queued there before it."""
+        cached = len(self.prefix_hit(slot, seq)) * slot.account.block_size
+        return expected_finish(
+            slot.step_time,
+            fallback,
+            slot.token_budget,
+            len(slot.running),
+            self._queued_prompt_tokens(slot) + ahead,
+            [f.num_tokens for f in slot.inflight],
+            seq.num_tokens - cached,
+            seq.params.max_new_tokens - len(seq.output_token_ids),
+        )
 
     @staticmethod
     def lora_resident(slot: WorkerSlot, seq: Sequence) -> bool:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from benchmarks.metrics import scale_sla, summarize
-from benchmarks.simulate import PRESETS, SimRequest, make_sim_requests, run_grid, simulate
+from benchmarks.simulate import PRESETS, SimRequest, make_sim_requests, run_grid, simulate, simulate_workers
 
 A100 = PRESETS["a100-llama2-7b"]
 
@@ -69,3 +69,16 @@ def test_splitfuse_p95_token_latency_beats_prefill_first_on_long_prompts():
     sf, pf = by["splitfuse"], by["prefill_first"]
     assert sf["token_latency_p95_s"] * 2 < pf["token_latency_p95_s"]
     assert sf["effective_requests_per_s"]["4"] >= pf["effective_requests_per_s"]["4"]
+
+
+def test_placement_on_a_fast_and_a_3x_slower_worker():
+    """Light load: every request on the fast worker (it finishes each about 3x sooner); a long queue
+    (64 clients of 512-token prompts): the slow worker takes part and the pair beats the fast alone."""
+    model = PRESETS["a100-llama2-7b"]
+    light = simulate_workers(model, [1.0, 3.0], make_sim_requests(40, 256, 64, seed=1), 4, model.knee())
+    assert light["token_share"][1] < 0.05
+    reqs = make_sim_requests(256, 512, 64, seed=2)
+    alone = simulate_workers(model, [4.0], reqs, 64, model.knee())
+    pair = simulate_workers(model, [4.0, 12.0], reqs, 64, model.knee())
+    assert 0.1 < pair["token_share"][1] < 0.3
+    assert pair["tokens_per_s"] > 1.15 * alone["tokens_per_s"]

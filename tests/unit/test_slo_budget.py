@@ -5,6 +5,7 @@ exactly the fixed-budget ones. The real ``Scheduler`` on a simulated clock; no m
 
 from __future__ import annotations
 
+import collections
 import hashlib
 
 import pytest
@@ -93,6 +94,29 @@ def test_prompt_past_ttft_deadline_is_taken_first():
         plan = sched.schedule()["w"]
         assert plan.chunks[0].seq_id == first
         assert plan.num_tokens == 32
+
+
+def test_overdue_prompts_wait_behind_the_others_when_the_kv_cache_is_short():
+    """Earliest deadline first while the KV cache holds the queue; when it does not, a freed slot goes
+    to a prompt that can still meet its deadline, not to the most overdue one."""
+    from fuseserve.scheduler.slo_budget import SLOBudget
+
+    clock = Clock()
+    slo = SLOBudget(None, 100.0, clock)
+    seqs = []
+    for i, (arrival, prompt) in enumerate([(0.0, 100), (0.5, 100), (2.5, 100), (3.0, 60)]):
+        clock.now = arrival
+        seq = Sequence(i, [i + 1] * prompt, params(4))
+        seq.arrival_time = arrival
+        seqs.append(seq)  # deadlines 1.0, 1.5, 3.5, 3.6: at 3.0 s the first two are overdue
+    clock.now = 3.0
+    queue = collections.deque(reversed(seqs))
+    slo.order_waiting(queue, kv_free_tokens=400)  # room for the whole queue: EDF
+    assert [s.seq_id for s in queue] == [0, 1, 2, 3]
+    slo.order_waiting(queue, kv_free_tokens=200)  # short: the overdue last, EDF within each group
+    assert [s.seq_id for s in queue] == [2, 3, 0, 1]
+    slo.order_waiting(queue)  # no KV figure: EDF
+    assert [s.seq_id for s in queue] == [0, 1, 2, 3]
 
 
 def test_online_correction_learns_a_slower_device():
