@@ -249,6 +249,7 @@ def test_scale_out_report_and_plot(tmp_path):
             "sched_cpu_ms_per_step_p99": 0.9,
             "sched_cpu_ms_per_step_mean": 0.6,
             "cpu_cores": cores,
+            "mean_latency_s": 2.0,
         }
 
     records = [
@@ -260,5 +261,7 @@ def test_scale_out_report_and_plot(tmp_path):
     assert records[1]["efficiency"] == pytest.approx(0.9) and "efficiency" not in records[2]
     lines = report(records)
     assert records[2]["fast_slow_token_ratio"] == pytest.approx(3.0)
-    assert "tokens fast/slow = 3.00" in lines[-1]
+    assert records[2]["slow_token_share"] == pytest.approx(0.25)
+    assert "tokens fast/slow = 3.00, slow share 0.250; mean latency 2.00 s" in lines[-2]
+    assert records[2]["vs_fast_alone"] == pytest.approx(0.5) and "x0.50" in lines[-1]  # 50 vs 100 tok/s
     assert plot_scale_out(records, tmp_path / "s.png").stat().st_size > 1000
