@@ -51,6 +51,8 @@ class WorkerSlot:
     step_time: measured seconds per pass against tokens per pass (placement).
     latency: predicted seconds of a pass of a given shape, corrected from measured passes (used with
         latency targets, ``fuseserve.scheduler.slo_budget``).
+    lora_adapters: the LoRA adapters the worker serves, as it reported them (its Redis record); None:
+        not reported (an in-process runner built from the engine's own ``lora_modules``).
     """
 
     name: str
@@ -58,6 +60,7 @@ class WorkerSlot:
     token_budget: int
     max_model_len: int
     handle: Any = None
+    lora_adapters: frozenset[str] | None = None
     running: list[Sequence] = field(default_factory=list)  # admission order
     pending_free: list[int] = field(default_factory=list)
     inflight: collections.deque[InFlight] = field(default_factory=collections.deque)
