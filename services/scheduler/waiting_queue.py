@@ -110,6 +110,8 @@ class WaitingQueue:
         seq.admitted_at = next(self._admit_counter)
         seq.num_tokens_at_admission = seq.num_tokens
         slot.running.append(seq)
+        if seq.lora is not None:
+            slot.note_lora(seq.lora, self.config.max_loras)
         slot.num_admitted += 1
         self.registry.touched.add(slot.name)
 
@@ -214,9 +216,11 @@ class WaitingQueue:
 
     @staticmethod
     def lora_resident(slot: WorkerSlot, seq: Sequence) -> bool:
-        """``seq`` runs with a LoRA adapter that one of ``slot``'s running sequences runs with (so it
-        sits in one of that worker's adapter slots)."""
-        return seq.lora is not None and any(s.lora == seq.lora for s in slot.running)
+        """``seq`` runs with a LoRA adapter that sits in one of ``slot``'s adapter slots: one of its
+        running sequences runs with it, or it is still there, idle (``WorkerSlot.lora_recent``)."""
+        if seq.lora is None:
+            return False
+        return seq.lora in slot.lora_recent or any(s.lora == seq.lora for s in slot.running)
 
     @staticmethod
     def _queued_prompt_tokens(slot: WorkerSlot) -> int:

@@ -53,6 +53,8 @@ class WorkerSlot:
         latency targets, ``fuseserve.scheduler.slo_budget``).
     lora_adapters: the LoRA adapters the worker serves, as it reported them (its Redis record); None:
         not reported (an in-process runner built from the engine's own ``lora_modules``).
+    lora_recent: the adapters its ``max_loras`` adapter slots hold as far as the scheduler knows
+        (``note_lora``), least recently placed first: a mirror of the worker's ``LoRAManager``.
     """
 
     name: str
@@ -70,4 +72,20 @@ class WorkerSlot:
     latency: PassLatency = field(default_factory=PassLatency)
     poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
     draining: bool = False  # the worker is stopping: its running sequences finish, no new ones come
+    lora_recent: list[str] = field(default_factory=list)
     migration: MigrationPhase = MigrationPhase.NONE  # its round of KV migration, while draining
+
+    def note_lora(self, name: str, max_loras: int) -> None:
+        """A sequence of adapter ``name`` was placed here: the worker loads it into a slot unless one
+        holds it, evicting its least recently used adapter that no running sequence uses
+        (``LoRAManager.slot``); ``lora_recent`` follows. An approximation: the worker orders its
+        slots by last pass, this by last placement."""
+        if name in self.lora_recent:
+            self.lora_recent.remove(name)
+        self.lora_recent.append(name)
+        running = {s.lora for s in self.running}
+        for old in list(self.lora_recent[:-1]):
+            if len(self.lora_recent) <= max_loras:
+                break
+            if old not in running:
+                self.lora_recent.remove(old)

@@ -191,3 +191,45 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters():
     assert sample.labels["waiting_lora_adapters"] == "c"
     assert sample.labels["max_lora"] == "2"
     assert before <= sample.value <= time.time()
+
+
+def _return_of_an_idle_adapter(aware: bool) -> tuple[str, str]:
+    """ "b" runs on one worker, "a" on the other, both finish (their adapters stay in the workers'
+    slots, idle); a new "a" comes while both workers are empty. Returns (where "a" ran, where it goes)."""
+    eng = make_engine(
+        budget=64, block_size=4, workers={"w0": 1000, "w1": 1000}, max_loras=2, lora_aware_placement=aware
+    )
+    eng.add(Sequence(0, [1] * 6, greedy(3), lora="b"))
+    eng.step()
+    eng.add(Sequence(1, [2] * 6, greedy(3), lora="a"))
+    eng.step()
+    first = {eng.sched.seqs[0].worker, eng.sched.seqs[1].worker}
+    assert first == {"w0", "w1"}, "one each"
+    home = eng.sched.seqs[1].worker
+    eng.run()
+    assert eng.sched.slots[home].lora_recent == ["a"]
+    eng.add(Sequence(2, [3] * 6, greedy(3), lora="a"))
+    eng.step()
+    return home, eng.sched.seqs[2].worker
+
+
+def test_an_idle_adapter_still_in_a_workers_slot_draws_its_next_request():
+    """``WorkerSlot.lora_recent`` mirrors the worker's adapter slots: the adapter of a finished
+    sequence stays loaded there, so its next request goes back (no load), where the residency-blind
+    rule (``lora_aware_placement=False``) puts it on the other, equally empty worker."""
+    home, again = _return_of_an_idle_adapter(aware=True)
+    assert again == home
+    home, blind = _return_of_an_idle_adapter(aware=False)
+    assert blind != home, "the blind rule must choose otherwise here, or this test shows nothing"
+
+
+def test_lora_recent_keeps_max_loras_and_never_drops_a_running_adapter():
+    eng = make_engine(budget=64, block_size=4, max_loras=2)
+    slot = eng.sched.slots["w0"]
+    for sid, lora in enumerate(["a", "b", "a", "c"]):
+        eng.add(Sequence(sid, [sid + 1] * 6, greedy(50), lora=lora))
+        eng.step()
+    # "c" waits (two adapters run): the mirror holds the running "a" and "b"
+    assert sorted(slot.lora_recent) == ["a", "b"]
+    eng.run()
+    assert slot.lora_recent[-1] == "c" and len(slot.lora_recent) == 2
