@@ -277,8 +277,8 @@ class Scheduler:
         return self.applier.fail_plan(worker, message)
 
     def _lora_served(self, lora: str) -> bool:
-        """Some worker serves adapter ``lora`` (``WaitingQueue.serves_lora``)."""
-        return any(WaitingQueue.serves_lora(s, lora) for s in self.registry.slots.values())
+        """Some worker serves adapter ``lora`` (``WorkerSlot.serves_lora``)."""
+        return any(s.serves_lora(lora) for s in self.registry.slots.values())
 
     def fail_unserved_lora(self) -> list[TokenEvent]:
         """Finish the queued sequences whose LoRA adapter no worker serves (workers came or went since

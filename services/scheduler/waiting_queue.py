@@ -49,12 +49,12 @@ class WaitingQueue:
 
     def lora_fits(self, slot: WorkerSlot, seq: Sequence) -> bool:
         """``seq``'s LoRA adapter may join ``slot``: the base model (counts as none), or an adapter the
-        worker serves (``serves_lora``) that one of its running sequences runs with, or a new one while
-        they hold fewer than ``max_loras``. Every pass then holds at most ``max_loras`` distinct
-        adapters, and the worker has a slot for each."""
+        worker serves (``WorkerSlot.serves_lora``) that one of its running sequences runs with, or a
+        new one while they hold fewer than ``max_loras``. Every pass then holds at most ``max_loras``
+        distinct adapters, and the worker has a slot for each."""
         if seq.lora is None:
             return True
-        if not self.serves_lora(slot, seq.lora):
+        if not slot.serves_lora(seq.lora):
             return False
         held = {s.lora for s in slot.running if s.lora is not None}
         return seq.lora in held or len(held) < self.config.max_loras
@@ -208,11 +208,6 @@ class WaitingQueue:
             seq.num_tokens - cached,
             seq.params.max_new_tokens - len(seq.output_token_ids),
         )
-
-    @staticmethod
-    def serves_lora(slot: WorkerSlot, lora: str) -> bool:
-        """``slot``'s worker serves adapter ``lora`` (or did not report its adapters)."""
-        return slot.lora_adapters is None or lora in slot.lora_adapters
 
     @staticmethod
     def lora_resident(slot: WorkerSlot, seq: Sequence) -> bool:

@@ -75,6 +75,10 @@ class WorkerSlot:
     lora_recent: list[str] = field(default_factory=list)
     migration: MigrationPhase = MigrationPhase.NONE  # its round of KV migration, while draining
 
+    def serves_lora(self, lora: str) -> bool:
+        """The worker serves adapter ``lora`` (or did not report its adapters)."""
+        return self.lora_adapters is None or lora in self.lora_adapters
+
     def note_lora(self, name: str, max_loras: int) -> None:
         """A sequence of adapter ``name`` was placed here: the worker loads it into a slot unless one
         holds it, evicting its least recently used adapter that no running sequence uses
