@@ -81,6 +81,9 @@ class EngineConfig:
     max_loras: adapter slots per worker: distinct adapters among a worker's running sequences, hence
         per pass (the base model counts as none); vLLM's ``--max-loras``.
     max_lora_rank: the largest adapter rank served (slots are this wide); vLLM's ``--max-lora-rank``.
+    lora_aware_placement: among the workers loaded near the least, place a LoRA request on one whose
+        running sequences use its adapter (``WaitingQueue.place``: no adapter load); False: blind to
+        residency (``benchmarks/lora_placement.py`` compares the two). Flag ``--no-lora-aware-placement``.
     """
 
     token_budget: int | None = option(
@@ -217,6 +220,12 @@ class EngineConfig:
     )
     max_lora_rank: int = option(
         16, "largest LoRA rank served; a higher one is refused (default: %(default)s)", commands=_RUNNER
+    )
+    lora_aware_placement: bool = option(
+        True,
+        "place LoRA requests blind to where their adapter is resident (default: prefer a worker whose "
+        "running sequences use the adapter)",
+        commands=_STACK,
     )
     watermark_blocks: int = 1
     max_preemptions: int = 4

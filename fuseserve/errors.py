@@ -127,6 +127,17 @@ class AttentionBackendUnavailableError(FuseServeError):
     or dtype); the message says why."""
 
 
+class LoRAAdapterNotServedError(InvalidRequestError):
+    """No live worker serves the request's LoRA adapter (the gateway names it, the workers' records
+    do not): failed at once with a 404 instead of waiting, or failing a pass on a worker."""
+
+    http_status = 404
+
+    def __init__(self, name: str):
+        super().__init__(f"LoRA adapter {name!r} is served by no live worker", param="model")
+        self.name = name
+
+
 class LoRAAdapterError(InvalidRequestError):
     """A LoRA adapter cannot be served: a missing or unreadable PEFT checkpoint, a rank above
     ``max_lora_rank``, a target module or PEFT feature fuseserve does not adapt, or weights shaped for

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from fuseserve.errors import InvalidParameterError
 from fuseserve.types import TokenEvent
@@ -268,6 +268,7 @@ class WorkerRecord:
     draining: bool = False  # told to stop (SIGTERM): no new sequences, finishing its running ones
     quantization: str | None = None  # the checkpoint's quant_method (gptq, awq, gguf, ...); None: float
     kv_cache_dtype: str | None = None  # KV cache storage: bfloat16, float32, float8_e4m3fn, ...
+    lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters it serves (lora_modules)
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -222,18 +222,20 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "num_free_blocks", "num_running_seqs", "num_fenced", "fence")
+    __slots__ = ("ok", "num_free_blocks", "num_running_seqs", "num_fenced", "fence", "num_lora_loads")
     OK_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_FENCED_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     num_free_blocks: int
     num_running_seqs: int
     num_fenced: int
     fence: int
-    def __init__(self, ok: _Optional[bool] = ..., num_free_blocks: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., num_fenced: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
+    num_lora_loads: int
+    def __init__(self, ok: _Optional[bool] = ..., num_free_blocks: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., num_fenced: _Optional[int] = ..., fence: _Optional[int] = ..., num_lora_loads: _Optional[int] = ...) -> None: ...
 
 class SeqMove(_message.Message):
     __slots__ = ("seq_id", "dest_block_ids")

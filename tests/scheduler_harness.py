@@ -82,8 +82,11 @@ def make_engine(
     fail_at: dict[str, int] | None = None,
     overlap: bool = False,
     max_loras: int = 1,
+    lora_adapters: dict[str, set[str]] | None = None,
+    lora_aware_placement: bool = True,
 ) -> Engine:
-    """EngineCore over fake workers ``{name: num_blocks}`` (default one with a big pool)."""
+    """EngineCore over fake workers ``{name: num_blocks}`` (default one with a big pool);
+    ``lora_adapters``: the adapters each worker reports serving (a worker not named reports none)."""
     workers = workers or {"w0": 100_000}
     cfg = EngineConfig(
         token_budget=budget,
@@ -93,6 +96,7 @@ def make_engine(
         max_preemptions=max_preemptions,
         policy=policy,
         max_loras=max_loras,
+        lora_aware_placement=lora_aware_placement,
     )
     core = EngineCore(cfg, [EOS], overlap=overlap)
     history: dict[int, list[int]] = {}
@@ -102,7 +106,10 @@ def make_engine(
         fakes[name] = FakeWorker(
             num_blocks, block_size, eos_every=eos_every, fail_at_step=fail, name=name, history=history
         )
-        core.add_worker(name, fakes[name], num_blocks, block_size, MAX_MODEL_LEN, threaded=False)
+        adapters = None if lora_adapters is None else lora_adapters.get(name, set())
+        core.add_worker(
+            name, fakes[name], num_blocks, block_size, MAX_MODEL_LEN, threaded=False, lora_adapters=adapters
+        )
     return Engine(core, fakes)
 
 

@@ -115,10 +115,12 @@ class Migrations:
         return max(fits, key=lambda s: s.account.num_free / s.account.num_blocks, default=None)
 
     def _lora_fits(self, slot: WorkerSlot, seq: Sequence, moving: set[str]) -> bool:
-        """``seq``'s adapter may join ``slot`` with those moving there this round: at most
-        ``max_loras`` distinct adapters run on a worker (``WaitingQueue.lora_fits``' rule)."""
+        """``seq``'s adapter may join ``slot`` with those moving there this round: the worker serves it,
+        and at most ``max_loras`` distinct adapters run on a worker (``WaitingQueue.lora_fits``' rule)."""
         if seq.lora is None:
             return True
+        if not slot.serves_lora(seq.lora):
+            return False
         held = {s.lora for s in slot.running if s.lora is not None} | moving
         return seq.lora in held or len(held) < self.config.max_loras
 

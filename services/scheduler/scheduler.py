@@ -42,7 +42,12 @@ from collections.abc import Callable
 from typing import Any
 
 from fuseserve.config import EngineConfig
-from fuseserve.errors import ContextLengthExceededError, InvalidRequestError, SchedulerError
+from fuseserve.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    LoRAAdapterNotServedError,
+    SchedulerError,
+)
 from fuseserve.pass_shape import PassShape
 from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.core_stats import SchedulerCounters
@@ -156,9 +161,11 @@ class Scheduler:
         token_budget: int | None = None,
         handle: Any = None,
         latency_prior: Callable[[PassShape], float] | None = None,
+        lora_adapters: set[str] | None = None,
     ) -> WorkerSlot:
         """Register a worker's capacity. ``token_budget`` is the worker's profiled budget;
-        ``latency_prior`` its start-up latency curve (``slo_budget.curve_prior``), if known.
+        ``latency_prior`` its start-up latency curve (``slo_budget.curve_prior``), if known;
+        ``lora_adapters`` the adapters it serves (``WorkerSlot.lora_adapters``; None: not reported).
 
         Raises ``SchedulerError`` when neither the config nor the worker gives a budget, or the name
         is taken.
@@ -169,7 +176,8 @@ class Scheduler:
         if name in self.registry.slots:
             raise SchedulerError(f"worker {name} is already registered")
         account = BlockAccount(num_blocks, block_size, self.config.enable_prefix_caching)
-        slot = WorkerSlot(name, account, budget, max_model_len, handle)
+        adapters = frozenset(lora_adapters) if lora_adapters is not None else None
+        slot = WorkerSlot(name, account, budget, max_model_len, handle, adapters)
         slot.latency = PassLatency(latency_prior)
         self.registry.add(slot)
         return slot
@@ -192,7 +200,8 @@ class Scheduler:
 
     # ----- requests -----
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Raises ``ContextLengthExceededError`` / ``InvalidRequestError``."""
+        """Queue a new sequence. Raises ``ContextLengthExceededError`` / ``InvalidRequestError``, and
+        ``LoRAAdapterNotServedError`` when workers exist and none serves its adapter."""
         if seq.seq_id in self.seqs:
             raise InvalidRequestError(f"duplicate sequence id {seq.seq_id}")
         if not seq.prompt_token_ids:
@@ -201,6 +210,8 @@ class Scheduler:
         if total > self.max_model_len:
             raise ContextLengthExceededError(seq.prompt_len, seq.params.max_new_tokens, self.max_model_len)
         slots = self.registry.slots
+        if seq.lora is not None and slots and not self._lora_served(seq.lora):
+            raise LoRAAdapterNotServedError(seq.lora)
         if slots:
             capacity = max(s.account.num_blocks - self.config.watermark_blocks for s in slots.values())
             block_size = next(iter(slots.values())).account.block_size
@@ -264,6 +275,32 @@ class Scheduler:
     def fail_plan(self, worker: str, message: str) -> list[TokenEvent]:
         """The oldest plan in flight on ``worker`` failed: finish its sequences (``ResultApplier.fail_plan``)."""
         return self.applier.fail_plan(worker, message)
+
+    def _lora_served(self, lora: str) -> bool:
+        """Some worker serves adapter ``lora`` (``WorkerSlot.serves_lora``)."""
+        return any(s.serves_lora(lora) for s in self.registry.slots.values())
+
+    def fail_unserved_lora(self) -> list[TokenEvent]:
+        """Finish the queued sequences whose LoRA adapter no worker serves (workers came or went since
+        they were queued) with ``LoRAAdapterNotServedError``'s 404; none while there is no worker."""
+        if not self.registry.slots:
+            return []
+        events = []
+        for seq in [s for s in self.queue.waiting if s.lora is not None and not self._lora_served(s.lora)]:
+            self.queue.waiting.remove(seq)
+            self.lifecycle.finish(seq, FinishReason.ABORT)
+            e = LoRAAdapterNotServedError(seq.lora)
+            events.append(
+                TokenEvent(
+                    seq.seq_id,
+                    None,
+                    FinishReason.ABORT,
+                    error=str(e),
+                    error_status=e.http_status,
+                    error_type=e.error_type,
+                )
+            )
+        return events
 
     def fail_waiting(self, message: str, status: int) -> list[TokenEvent]:
         """Finish every queued sequence with an error (e.g. no worker has been alive for a while)."""

@@ -48,11 +48,14 @@ class WaitingQueue:
         return seq.full_block_hashes(block_size, root_hash(self.model_id, seq.cache_salt, extra))
 
     def lora_fits(self, slot: WorkerSlot, seq: Sequence) -> bool:
-        """``seq``'s LoRA adapter may join ``slot``: the base model (counts as none), an adapter of one
-        of its running sequences, or a new one while they hold fewer than ``max_loras``. Every pass
-        then holds at most ``max_loras`` distinct adapters, and the worker has a slot for each."""
+        """``seq``'s LoRA adapter may join ``slot``: the base model (counts as none), or an adapter the
+        worker serves (``WorkerSlot.serves_lora``) that one of its running sequences runs with, or a
+        new one while they hold fewer than ``max_loras``. Every pass then holds at most ``max_loras``
+        distinct adapters, and the worker has a slot for each."""
         if seq.lora is None:
             return True
+        if not slot.serves_lora(seq.lora):
+            return False
         held = {s.lora for s in slot.running if s.lora is not None}
         return seq.lora in held or len(held) < self.config.max_loras
 
@@ -107,6 +110,8 @@ class WaitingQueue:
         seq.admitted_at = next(self._admit_counter)
         seq.num_tokens_at_admission = seq.num_tokens
         slot.running.append(seq)
+        if seq.lora is not None:
+            slot.note_lora(seq.lora, self.config.max_loras)
         slot.num_admitted += 1
         self.registry.touched.add(slot.name)
 
@@ -125,7 +130,8 @@ class WaitingQueue:
         sequences. None too when ``seq`` waits for a faster worker (``_waits_for_faster``). Among
         the workers loaded near the least (``placement.near_least_loaded``: the balance guard), one
         caching more of the prompt (with prefix-aware placement) wins, then one where ``seq``'s LoRA
-        adapter is resident (``lora_resident``: no slot to load, no slot taken from another adapter).
+        adapter is resident (``lora_resident``: no slot to load, no slot taken from another adapter;
+        with ``lora_aware_placement``).
         """
         candidates = [s for s in here if self.can_admit(s, seq)]
         if elsewhere:
@@ -154,7 +160,7 @@ class WaitingQueue:
         hits = [0] * len(candidates)
         if self.config.enable_prefix_caching and self.config.prefix_aware_placement:
             hits = [len(self.prefix_hit(s, seq)) for s in candidates]
-        resident = [self.lora_resident(s, seq) for s in candidates]
+        resident = [self.config.lora_aware_placement and self.lora_resident(s, seq) for s in candidates]
         if any(hits) or any(resident):  # follow the prefix, then the adapter, among the near least loaded
             shares = [
                 seconds_per_share(s.step_time, fallback, s.token_budget, len(s.running)) for s in candidates
@@ -205,9 +211,11 @@ class WaitingQueue:
 
     @staticmethod
     def lora_resident(slot: WorkerSlot, seq: Sequence) -> bool:
-        """``seq`` runs with a LoRA adapter that one of ``slot``'s running sequences runs with (so it
-        sits in one of that worker's adapter slots)."""
-        return seq.lora is not None and any(s.lora == seq.lora for s in slot.running)
+        """``seq`` runs with a LoRA adapter that sits in one of ``slot``'s adapter slots: one of its
+        running sequences runs with it, or it is still there, idle (``WorkerSlot.lora_recent``)."""
+        if seq.lora is None:
+            return False
+        return seq.lora in slot.lora_recent or any(s.lora == seq.lora for s in slot.running)
 
     @staticmethod
     def _queued_prompt_tokens(slot: WorkerSlot) -> int:

@@ -51,6 +51,10 @@ class WorkerSlot:
     step_time: measured seconds per pass against tokens per pass (placement).
     latency: predicted seconds of a pass of a given shape, corrected from measured passes (used with
         latency targets, ``fuseserve.scheduler.slo_budget``).
+    lora_adapters: the LoRA adapters the worker serves, as it reported them (its Redis record); None:
+        not reported (an in-process runner built from the engine's own ``lora_modules``).
+    lora_recent: the adapters its ``max_loras`` adapter slots hold as far as the scheduler knows
+        (``note_lora``), least recently placed first: a mirror of the worker's ``LoRAManager``.
     """
 
     name: str
@@ -58,6 +62,7 @@ class WorkerSlot:
     token_budget: int
     max_model_len: int
     handle: Any = None
+    lora_adapters: frozenset[str] | None = None
     running: list[Sequence] = field(default_factory=list)  # admission order
     pending_free: list[int] = field(default_factory=list)
     inflight: collections.deque[InFlight] = field(default_factory=collections.deque)
@@ -67,4 +72,24 @@ class WorkerSlot:
     latency: PassLatency = field(default_factory=PassLatency)
     poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
     draining: bool = False  # the worker is stopping: its running sequences finish, no new ones come
+    lora_recent: list[str] = field(default_factory=list)
     migration: MigrationPhase = MigrationPhase.NONE  # its round of KV migration, while draining
+
+    def serves_lora(self, lora: str) -> bool:
+        """The worker serves adapter ``lora`` (or did not report its adapters)."""
+        return self.lora_adapters is None or lora in self.lora_adapters
+
+    def note_lora(self, name: str, max_loras: int) -> None:
+        """A sequence of adapter ``name`` was placed here: the worker loads it into a slot unless one
+        holds it, evicting its least recently used adapter that no running sequence uses
+        (``LoRAManager.slot``); ``lora_recent`` follows. An approximation: the worker orders its
+        slots by last pass, this by last placement."""
+        if name in self.lora_recent:
+            self.lora_recent.remove(name)
+        self.lora_recent.append(name)
+        running = {s.lora for s in self.running}
+        for old in list(self.lora_recent[:-1]):
+            if len(self.lora_recent) <= max_loras:
+                break
+            if old not in running:
+                self.lora_recent.remove(old)

@@ -109,6 +109,7 @@ class ModelRunner:
             str(self.dtype).split(".")[-1],
             quantization_method(hf_config),
             str(self.kv_dtype).split(".")[-1],
+            sorted(self.lora.adapters) if self.lora is not None else [],
         )
 
     def _load_adapters(self) -> LoRAManager | None:
@@ -176,6 +177,11 @@ class ModelRunner:
     @property
     def num_free_blocks(self) -> int:
         return self.seq_table.num_free_blocks
+
+    @property
+    def num_lora_loads(self) -> int:
+        """LoRA adapters written into an adapter slot so far (``LoRAManager.num_loads``; 0 without)."""
+        return self.lora.num_loads if self.lora is not None else 0
 
     # ----- lifecycle -----
     def close(self) -> None:

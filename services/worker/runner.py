@@ -7,7 +7,7 @@ instead of a model). Both keep their sequences in a ``SeqTable`` (``seq_table.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from fuseserve.types import StepPlan, StepResult
@@ -18,7 +18,8 @@ from fuseserve.worker.seq_table import WorkerSeq
 class WorkerInfo:
     """Capacity a worker reports to its scheduler. quantization: the checkpoint's
     (``model_source.quantization_method``; None: float weights). kv_cache_dtype: the KV cache's
-    storage dtype (``bfloat16``, ``float8_e4m3fn``, ...; None when there is none, as simulated)."""
+    storage dtype (``bfloat16``, ``float8_e4m3fn``, ...; None when there is none, as simulated).
+    lora_adapters: the names of the LoRA adapters it serves (``lora_modules``), sorted."""
 
     block_size: int
     num_blocks: int
@@ -29,6 +30,7 @@ class WorkerInfo:
     dtype: str
     quantization: str | None = None
     kv_cache_dtype: str | None = None
+    lora_adapters: list[str] = field(default_factory=list)
 
 
 class Runner(Protocol):
@@ -39,6 +41,7 @@ class Runner(Protocol):
         and the seconds the step took; raises ``SchedulerError`` / ``InvalidBlockError`` for a plan
         that breaks the contract (``SeqTable.admit``).
     free(seq_ids): drop sequences and return their blocks (unknown ids are ignored).
+    num_lora_loads: LoRA adapters written into an adapter slot so far (0 without adapters).
     """
 
     info: WorkerInfo
@@ -46,6 +49,9 @@ class Runner(Protocol):
 
     @property
     def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_lora_loads(self) -> int: ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
 

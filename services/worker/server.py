@@ -285,6 +285,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             num_running_seqs=len(self.runner.seqs),
             num_fenced=self.num_fenced,
             fence=self.fence,
+            num_lora_loads=self.runner.num_lora_loads,
         )
 
 
@@ -359,6 +360,7 @@ def run_worker(args: argparse.Namespace) -> int:
         metrics.port if metrics is not None else None,
         quantization=info.quantization,
         kv_cache_dtype=info.kv_cache_dtype,
+        lora_adapters=list(info.lora_adapters),
     )
     registration = Registration(args.redis_url, worker_id, record)
     registration.start()

@@ -90,6 +90,11 @@ class SimulatedRunner:
     def num_free_blocks(self) -> int:
         return self.seq_table.num_free_blocks
 
+    @property
+    def num_lora_loads(self) -> int:
+        """Always 0: a simulated worker serves no adapter."""
+        return 0
+
     def free(self, seq_ids: list[int]) -> None:
         """Drop sequences and return their blocks (unknown ids are ignored)."""
         self.seq_table.free(seq_ids)

@@ -16,7 +16,7 @@ import os
 import sys
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PASS_SIZES = (16, 64, 256, 1024, 4096)
 """Upper bounds (tokens) of the ``pass_size`` label's classes; larger passes are ``"4097+"``."""
@@ -45,7 +45,8 @@ def device_memory_bytes() -> tuple[str, int]:
 
 
 class _KVCollector:
-    """KV-cache and device-memory gauges, read from the runner when Prometheus scrapes."""
+    """KV-cache and device-memory gauges and the LoRA adapter loads, read from the runner when
+    Prometheus scrapes."""
 
     def __init__(self, metrics: WorkerMetrics):
         self.m = metrics
@@ -76,6 +77,14 @@ class _KVCollector:
         )
         fam.add_metric([*values, device], used_bytes)
         yield fam
+        loads = CounterMetricFamily(
+            "fuseserve_lora_loads",
+            "LoRA adapters written into an adapter slot (a slot's idle adapter evicted once all are "
+            "taken); 0 without adapters",
+            labels=labels,
+        )
+        loads.add_metric(values, int(runner.num_lora_loads) if runner is not None else 0)
+        yield loads
 
 
 class WorkerMetrics:

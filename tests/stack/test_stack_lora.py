@@ -41,9 +41,15 @@ def adapters(smollm2_source, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def lora_stack(adapters):
+def lora_server(adapters):
+    """``(stack, base_url)``."""
     with recovery_stack(lora_modules=adapters, max_loras=2) as s:
-        yield s[1]
+        yield s
+
+
+@pytest.fixture(scope="module")
+def lora_stack(lora_server):
+    return lora_server[1]
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +120,18 @@ def test_an_unknown_adapter_is_a_404(lora_stack):
     error = e.value.response.json()["error"]
     assert error["param"] == "model" and "no-such-lora" in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == "model_not_found"
+
+
+def test_workers_report_their_adapters_and_loads(lora_server, expected):
+    """Each worker's Redis record lists the adapters it serves; the sum of their gRPC ``Health``
+    ``num_lora_loads`` grows when an adapter runs (at least one load per adapter served so far)."""
+    from benchmarks.lora_placement import lora_loads
+
+    stack, url = lora_server
+    before, reported = lora_loads(stack.redis.url)
+    assert len(reported) == 2 and all(sorted(a) == sorted(ADAPTERS) for a in reported.values())
+    client = openai_client(url)
+    for name in ADAPTERS:
+        assert _completion(client, name, stream=False) == expected[name, "completion"]
+    after, _ = lora_loads(stack.redis.url)
+    assert after >= max(before, len(ADAPTERS)), (before, after)

@@ -9,8 +9,8 @@ import pytest
 from scheduler_harness import check_free, greedy, make_engine
 
 from fuseserve.block_hash import root_hash
+from fuseserve.errors import LoRAAdapterNotServedError
 from fuseserve.scheduler.sequence import Sequence
-from fuseserve.scheduler.waiting_queue import WaitingQueue
 
 
 def test_a_prefix_is_shared_only_under_the_same_adapter():
@@ -91,7 +91,7 @@ def _place_adapter_run(eng) -> dict[int, str]:
     return {sid: s.worker for sid, s in eng.sched.seqs.items()}
 
 
-def test_placement_goes_where_the_adapter_runs_within_the_balance_guard(monkeypatch):
+def test_placement_goes_where_the_adapter_runs_within_the_balance_guard():
     """An "a" sequence goes to the worker already running "a" (fewer free blocks there: the load-based
     choice alone picks the other, as the residency-blind run shows), until that worker is loaded past
     the balance guard (``placement.near_least_loaded``): then it goes elsewhere."""
@@ -103,9 +103,68 @@ def test_placement_goes_where_the_adapter_runs_within_the_balance_guard(monkeypa
     assert other in [on[s] for s in range(3, 12)], "one adapter must not pile everything onto one worker"
     n_home = sum(1 for w in on.values() if w == home)
     assert n_home <= 1.5 * (len(on) - n_home + 1) + 2
-    monkeypatch.setattr(WaitingQueue, "lora_resident", staticmethod(lambda slot, seq: False))
-    blind = _place_adapter_run(make_engine(budget=64, block_size=4, workers=workers, max_loras=2))
-    assert blind[2] == blind[1] != blind[0], "residency-blind: the emptier worker"
+    blind_engine = make_engine(
+        budget=64, block_size=4, workers=workers, max_loras=2, lora_aware_placement=False
+    )
+    blind = _place_adapter_run(blind_engine)
+    assert blind[2] == blind[1] != blind[0], (
+        "residency-blind (lora_aware_placement=False): the emptier worker"
+    )
+
+
+def test_a_sequence_goes_only_to_a_worker_that_serves_its_adapter():
+    """w0 reports adapter "a", w1 "b": every "a" sequence runs on w0 and every "b" one on w1, the base
+    model on either. Residency-blind, so that load alone would spread them over both without the
+    reported sets (this test fails then)."""
+    eng = make_engine(
+        budget=64,
+        block_size=4,
+        workers={"w0": 1000, "w1": 1000},
+        max_loras=2,
+        lora_adapters={"w0": {"a"}, "w1": {"b"}},
+        lora_aware_placement=False,
+    )
+    adapters = ["a", "a", "b", "a", None, "b", "b", "a", None, "a"]
+    ran: dict[int, str] = {}
+    for sid, lora in enumerate(adapters):
+        eng.add(Sequence(sid, [sid + 1] * 6, greedy(8), lora=lora))
+        eng.step()
+        ran |= {i: s.worker for i, s in eng.sched.seqs.items() if s.worker is not None}
+    for sid, lora in enumerate(adapters):
+        if lora is not None:
+            assert ran[sid] == {"a": "w0", "b": "w1"}[lora], (sid, lora, ran[sid])
+    for name, fake in eng.fakes.items():
+        first = {c.lora for p in fake.plans for c in p.chunks if c.params is not None} - {None}
+        assert first == ({"a"} if name == "w0" else {"b"})
+    eng.run()
+    assert len(eng.finish) == len(adapters)
+    check_free(eng)
+
+
+def test_an_adapter_no_live_worker_serves_fails_at_once_with_a_404():
+    """At arrival: ``LoRAAdapterNotServedError`` (404) when workers exist and none serves it. Queued
+    when its only worker leaves: ``fail_unserved_lora`` finishes it with a 404 event; the other
+    requests run on (no pass fails)."""
+    eng = make_engine(
+        budget=64,
+        block_size=4,
+        workers={"w0": 1000, "w1": 1000},
+        max_loras=2,
+        lora_adapters={"w0": {"a"}, "w1": {"b"}},
+    )
+    with pytest.raises(LoRAAdapterNotServedError) as e:
+        eng.add(Sequence(0, [1] * 6, greedy(4), lora="z"))
+    assert e.value.http_status == 404 and "'z'" in str(e.value)
+    assert not eng.sched.waiting
+    eng.add(Sequence(1, [2] * 6, greedy(4), lora="b"))
+    eng.add(Sequence(2, [3] * 6, greedy(4), lora="a"))
+    eng.core.remove_worker("w1")
+    (event,) = eng.sched.fail_unserved_lora()
+    assert (event.seq_id, event.error_status, event.error_type) == (1, 404, "invalid_request_error")
+    assert [s.seq_id for s in eng.sched.waiting] == [2]
+    assert eng.sched.fail_unserved_lora() == []
+    eng.run()
+    assert 2 in eng.finish and 1 not in eng.finish
 
 
 def test_lora_requests_info_names_the_running_and_waiting_adapters():
@@ -132,3 +191,45 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters():
     assert sample.labels["waiting_lora_adapters"] == "c"
     assert sample.labels["max_lora"] == "2"
     assert before <= sample.value <= time.time()
+
+
+def _return_of_an_idle_adapter(aware: bool) -> tuple[str, str]:
+    """ "b" runs on one worker, "a" on the other, both finish (their adapters stay in the workers'
+    slots, idle); a new "a" comes while both workers are empty. Returns (where "a" ran, where it goes)."""
+    eng = make_engine(
+        budget=64, block_size=4, workers={"w0": 1000, "w1": 1000}, max_loras=2, lora_aware_placement=aware
+    )
+    eng.add(Sequence(0, [1] * 6, greedy(3), lora="b"))
+    eng.step()
+    eng.add(Sequence(1, [2] * 6, greedy(3), lora="a"))
+    eng.step()
+    first = {eng.sched.seqs[0].worker, eng.sched.seqs[1].worker}
+    assert first == {"w0", "w1"}, "one each"
+    home = eng.sched.seqs[1].worker
+    eng.run()
+    assert eng.sched.slots[home].lora_recent == ["a"]
+    eng.add(Sequence(2, [3] * 6, greedy(3), lora="a"))
+    eng.step()
+    return home, eng.sched.seqs[2].worker
+
+
+def test_an_idle_adapter_still_in_a_workers_slot_draws_its_next_request():
+    """``WorkerSlot.lora_recent`` mirrors the worker's adapter slots: the adapter of a finished
+    sequence stays loaded there, so its next request goes back (no load), where the residency-blind
+    rule (``lora_aware_placement=False``) puts it on the other, equally empty worker."""
+    home, again = _return_of_an_idle_adapter(aware=True)
+    assert again == home
+    home, blind = _return_of_an_idle_adapter(aware=False)
+    assert blind != home, "the blind rule must choose otherwise here, or this test shows nothing"
+
+
+def test_lora_recent_keeps_max_loras_and_never_drops_a_running_adapter():
+    eng = make_engine(budget=64, block_size=4, max_loras=2)
+    slot = eng.sched.slots["w0"]
+    for sid, lora in enumerate(["a", "b", "a", "c"]):
+        eng.add(Sequence(sid, [sid + 1] * 6, greedy(50), lora=lora))
+        eng.step()
+    # "c" waits (two adapters run): the mirror holds the running "a" and "b"
+    assert sorted(slot.lora_recent) == ["a", "b"]
+    eng.run()
+    assert slot.lora_recent[-1] == "c" and len(slot.lora_recent) == 2

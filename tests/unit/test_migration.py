@@ -50,12 +50,15 @@ class MovingWorker(FakeWorker):
         self._held = []
 
 
-def _core(migration: str = "drain") -> tuple[EngineCore, dict[str, MovingWorker]]:
+def _core(
+    migration: str = "drain", lora_adapters: dict[str, set[str]] | None = None
+) -> tuple[EngineCore, dict[str, MovingWorker]]:
     history: dict = {}
     workers = {n: MovingWorker(num_blocks=64, block_size=BS, name=n, history=history) for n in ("w0", "w1")}
     core = EngineCore(EngineConfig(token_budget=32, block_size=BS, migration=migration), eos_token_ids=[])
     for name, w in workers.items():
-        core.add_worker(name, w, 64, BS, 1 << 12, threaded=False)
+        adapters = None if lora_adapters is None else lora_adapters[name]
+        core.add_worker(name, w, 64, BS, 1 << 12, threaded=False, lora_adapters=adapters)
     return core, workers
 
 
@@ -142,3 +145,20 @@ def test_migration_off_lets_them_finish_at_home():
     core.drain_worker("w0")
     _run(core, seqs)
     assert core.scheduler.num_migrated == 0 and held <= set(workers["w0"].history)
+
+
+def test_a_lora_sequence_does_not_move_to_a_worker_that_does_not_serve_its_adapter():
+    """w1 reports no adapters: draining w0, its "a" sequences stay and finish at home, its base-model
+    sequences move."""
+    core, workers = _core(lora_adapters={"w0": {"a"}, "w1": set()})
+    seqs = [Sequence(i, [5 + i] * 8, PARAMS, lora="a" if i % 2 else None) for i in range(4)]
+    for s in seqs:
+        core.add_request(s)
+    _run(core, seqs, until=lambda: _decoding(core, "w0"))
+    on_w0 = {s.seq_id: s.lora for s in core.scheduler.slots["w0"].running}
+    assert "a" in on_w0.values()
+    core.drain_worker("w0")
+    _run(core, seqs)
+    assert core.scheduler.num_migrated == sum(1 for lora in on_w0.values() if lora is None)
+    assert all(len(s.output_token_ids) == PARAMS.max_new_tokens for s in seqs)
+    assert not any(w.errors for w in workers.values())

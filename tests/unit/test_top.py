@@ -24,7 +24,7 @@ def test_histogram_quantile_interpolates_like_prometheus():
 
 def test_frame_rates_and_percentiles_over_the_interval():
     gw = GatewayMetrics("m")
-    runner = SimpleNamespace(info=SimpleNamespace(num_blocks=10), num_free_blocks=10)
+    runner = SimpleNamespace(info=SimpleNamespace(num_blocks=10), num_free_blocks=10, num_lora_loads=0)
     worker = WorkerMetrics("w0", "m", None, runner)
 
     def snap(t: float) -> Snapshot:

@@ -80,7 +80,13 @@ def watch(service, drain: DrainSignal, stop: threading.Event) -> None:
 def serve_if_no_worker(service, now: float) -> None:
     """Called by ``service``'s loop at ``now`` (monotonic seconds): requests waiting while it has had
     no worker for ``HAND_OVER_AFTER_S`` go to a peer that has workers (``hand_over_waiting``); with
-    none for ``messages.NO_WORKER_GRACE_S`` they fail with a 503."""
+    none for ``messages.NO_WORKER_GRACE_S`` they fail with a 503. With workers, those whose LoRA
+    adapter none of them serves fail with a 404 (``Scheduler.fail_unserved_lora``)."""
+    if service.scheduler.slots:
+        events = service.scheduler.fail_unserved_lora()
+        if events:
+            log.warning("failing %d waiting requests: no live worker serves their LoRA adapter", len(events))
+            service.publish_events(events)
     if service.scheduler.slots or not service.scheduler.waiting:
         service.no_worker_since = None
         return

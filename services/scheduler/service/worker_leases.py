@@ -211,7 +211,13 @@ class WorkerLeases:
         self.core.scheduler.eos_token_ids = set(rec.eos_token_ids)
         try:
             self.core.add_worker(
-                wid, handle, rec.num_blocks, rec.block_size, rec.max_model_len, rec.token_budget
+                wid,
+                handle,
+                rec.num_blocks,
+                rec.block_size,
+                rec.max_model_len,
+                rec.token_budget,
+                lora_adapters=set(rec.lora_adapters),
             )
         except Exception:
             handle.close()  # held nowhere else; the next discovery releases the lease
