@@ -2,10 +2,11 @@
 with their K/V (``services/worker/kv_migration.py``) instead of finishing there or recomputing.
 
 With ``migration="drain"`` a worker that starts draining is not planned again; once no plan of it is
-in flight, one round of moves is planned (``Migrations.start``): each decoding sequence goes to the
-worker with the largest share of free blocks that can hold its computed tokens plus a decode block
-and the watermark (blocks reserved there now, in table order); a sequence still in its prompt is put
-back in the queue (little to recompute); one that fits nowhere stays and finishes at home. The
+in flight, one round of moves is planned (``Migrations.start``): each sequence goes to the worker with
+the largest share of free blocks that can hold its computed tokens plus a block and the watermark
+(blocks reserved there now, in table order), decoding or part-way through its prompt (the rest of
+the prompt is computed there); one that has computed nothing here yet goes back to the queue; one
+that fits nowhere, or asked for prompt logprobs, stays and finishes at home. The
 engine core sends each destination's moves to the source worker's handle (``migrate``); when the
 answer comes (``Migrations.done``), each moved sequence is re-pointed to its destination (its next
 decode entry goes there, no token recomputed), and the blocks of one not moved are given back. After
@@ -83,12 +84,14 @@ class Migrations:
         orders: dict[str, MigrationOrder] = {}
         adapters: dict[str, set[str]] = {}  # destination -> LoRA adapters moved there this round
         for seq in list(slot.running):
-            if seq.in_prefill or seq.params.prompt_logprobs is not None:
-                self.lifecycle.to_waiting(seq)  # little computed yet: recompute elsewhere
-                continue
+            if seq.params.prompt_logprobs is not None:
+                continue  # its scorer's state does not move: it finishes here
             dest = self._destination(slot, seq, adapters)
             if dest is None:
-                continue  # no room anywhere: it finishes here
+                continue  # no room anywhere (or no other worker): it finishes here
+            if seq.num_computed_tokens <= seq.num_start_tokens:
+                self.lifecycle.to_waiting(seq)  # nothing computed here yet: it starts elsewhere
+                continue
             if seq.lora is not None:
                 adapters.setdefault(dest.name, set()).add(seq.lora)
             dest.account.reserve(seq.seq_id, seq.num_computed_tokens)

@@ -43,7 +43,7 @@ class SeqSnapshot:
 
     seq_id: int
     num_computed: int
-    last_token: int
+    last_token: int | None  # None: part-way through its prompt, nothing sampled yet
     prompt_len: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -77,7 +77,6 @@ def to_parts(snap: SeqSnapshot, block_ids: list[int], fence: int) -> Iterator[pb
     state = pb.SeqState(
         seq_id=snap.seq_id,
         num_computed=snap.num_computed,
-        last_token=snap.last_token,
         prompt_len=snap.prompt_len,
         prompt_token_ids=snap.prompt_token_ids,
         output_token_ids=snap.output_token_ids,
@@ -88,6 +87,8 @@ def to_parts(snap: SeqSnapshot, block_ids: list[int], fence: int) -> Iterator[pb
     )
     if snap.lora is not None:
         state.lora_name = snap.lora
+    if snap.last_token is not None:
+        state.last_token = snap.last_token
     yield pb.KVPart(fence=fence, state=state, seq_id=snap.seq_id, last=not snap.layers)
     for i, (k, v) in enumerate(snap.layers):
         last = i == len(snap.layers) - 1
@@ -110,7 +111,7 @@ def from_parts(
             snap = SeqSnapshot(
                 st.seq_id,
                 st.num_computed,
-                st.last_token,
+                st.last_token if st.HasField("last_token") else None,
                 st.prompt_len,
                 list(st.prompt_token_ids),
                 list(st.output_token_ids),
@@ -132,13 +133,13 @@ def from_parts(
 
 def export_model_seq(runner, seq_id: int) -> SeqSnapshot:
     """``ModelRunner.export_seq``: the snapshot of ``seq_id`` (K/V of its computed tokens copied out of
-    the cache). Raises ``SchedulerError`` for an unknown sequence, one that has not sampled yet, or
-    one that asked for prompt logprobs (its scorer state does not move)."""
+    the cache), decoding or part-way through its prompt. Raises ``SchedulerError`` for an unknown
+    sequence or one that asked for prompt logprobs (its scorer state does not move)."""
     import torch
 
     seq = runner.seqs.get(seq_id)
-    if seq is None or seq.last_token is None:
-        raise SchedulerError(f"seq {seq_id}: not a decoding sequence on this worker")
+    if seq is None:
+        raise SchedulerError(f"seq {seq_id}: not on this worker")
     st = seq.sampling
     if st.params.prompt_logprobs is not None:
         raise SchedulerError(f"seq {seq_id}: prompt logprobs do not migrate")

@@ -100,11 +100,11 @@ class SimulatedRunner:
         self.seq_table.free(seq_ids)
 
     def export_seq(self, seq_id: int):
-        """The ``kv_migration.SeqSnapshot`` of a decoding sequence: counters, parameters and prompt key
-        (no K/V: the simulated device holds none). Raises ``SchedulerError`` when it is not decoding."""
+        """The ``kv_migration.SeqSnapshot`` of a sequence: counters, parameters and prompt key (no K/V:
+        the simulated device holds none). Raises ``SchedulerError`` for one it does not hold."""
         seq = self.seqs.get(seq_id)
-        if seq is None or seq.last_token is None:
-            raise SchedulerError(f"seq {seq_id}: not a decoding sequence on this worker")
+        if seq is None:
+            raise SchedulerError(f"seq {seq_id}: not on this worker")
         key = seq.sampling.key.to_bytes(8, "little")
         params = seq.sampling.params
         return SeqSnapshot(

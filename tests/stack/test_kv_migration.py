@@ -57,12 +57,17 @@ class _Worker:
         self.step_id = 0
         self.stub = pb_grpc.WorkerStub(grpc.insecure_channel(self.address))
 
-    def run(self, chunk: SeqChunk) -> int:
+    def run_chunk(self, chunk: SeqChunk):
+        """Run one chunk (its blocks from the account); the ``StepResult``."""
         self.account.reserve(chunk.seq_id, chunk.start_pos + chunk.num_tokens)
         chunk.block_ids = self.account.unsent(chunk.seq_id)
         result = self.runner.step(StepPlan(self.step_id, [chunk]))
         self.step_id += 1
-        return result.tokens[0].token_id
+        return result
+
+    def run(self, chunk: SeqChunk) -> int:
+        """Run one sampling chunk; the token sampled."""
+        return self.run_chunk(chunk).tokens[0].token_id
 
     def close(self) -> None:
         self.server.stop(grace=None)
@@ -110,6 +115,22 @@ def test_a_moved_sequence_decodes_on_the_destination_as_it_would_have_at_home(ch
         assert answer.num_bytes == 2 * 2 * 6 * BLOCK * 2 * 8 * 4
         stayed, moved = _decode(home, pos, 12), _decode(dst, pos, 12)
         assert moved == stayed
+    finally:
+        for w in (home, src, dst):
+            w.close()
+
+
+def test_a_sequence_part_way_through_its_prompt_moves_and_finishes_it_there(checkpoint):
+    home, src, dst = (_Worker(_model_runner(checkpoint), taken) for taken in (0, 0, 3))
+    try:
+        params = PARAMS["greedy"]
+        for w in (home, src):  # the first 8 prompt tokens computed, nothing sampled yet
+            w.run_chunk(SeqChunk(1, 0, 8, PROMPT[:8], False, params, len(PROMPT)))
+        answer = _migrate(src, dst, 1, 8)
+        assert list(answer.moved_seq_ids) == [1] and dst.runner.seqs[1].last_token is None
+        rest = lambda w: w.run(SeqChunk(1, 8, len(PROMPT) - 8, PROMPT[8:], True))  # noqa: E731
+        assert rest(dst) == rest(home)
+        assert _decode(dst, len(PROMPT), 6) == _decode(home, len(PROMPT), 6)
     finally:
         for w in (home, src, dst):
             w.close()

@@ -162,3 +162,20 @@ def test_a_lora_sequence_does_not_move_to_a_worker_that_does_not_serve_its_adapt
     assert core.scheduler.num_migrated == sum(1 for lora in on_w0.values() if lora is None)
     assert all(len(s.output_token_ids) == PARAMS.max_new_tokens for s in seqs)
     assert not any(w.errors for w in workers.values())
+
+
+def test_a_lone_draining_worker_keeps_every_sequence_even_those_in_their_prompt():
+    """No other worker to move to (one scheduler, one worker: compose's --scale scheduler=2 with two
+    workers): nothing goes back to the queue, where it would wait for a worker that never comes or
+    be recomputed elsewhere; everything finishes at home."""
+    w = MovingWorker(num_blocks=64, block_size=BS, name="w0")
+    core = EngineCore(EngineConfig(token_budget=8, block_size=BS), eos_token_ids=[])
+    core.add_worker("w0", w, 64, BS, 1 << 12, threaded=False)
+    seqs = _requests(core)
+    slot = core.scheduler.slots["w0"]
+    _run(core, seqs, until=lambda: any(s.in_prefill and s.num_computed_tokens for s in slot.running))
+    running = list(slot.running)
+    core.drain_worker("w0")
+    _run(core, seqs, until=lambda: not slot.running)
+    assert core.scheduler.num_recomputed_tokens == 0 and core.scheduler.num_migrated == 0
+    assert all(len(s.output_token_ids) == 12 for s in running)  # those queued wait for a worker
