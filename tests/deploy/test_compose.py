@@ -35,6 +35,7 @@ FLAGS = {
     "--advertise-host",
     "--drain-timeout",
     "--threads",
+    "--dtype",
 }
 """Flags of those subcommands that compose may pass."""
 REDIS_URL = "redis://redis:6379"
@@ -95,6 +96,7 @@ def test_fuseserve_commands_follow_the_cli_contract(compose):
     assert worker[worker.index("--model") + 1] == "${MODEL:-smollm2-135m-instruct}"
     assert worker[worker.index("--host") + 1] == "0.0.0.0"
     assert worker[worker.index("--advertise-host") + 1] == "$$HOSTNAME"  # the container's own name
+    assert worker[worker.index("--dtype") + 1] == "${WORKER_DTYPE:-auto}"
 
 
 LONG_RUNNING = {"redis", "gateway", "scheduler", "worker", "prometheus", "grafana"}
