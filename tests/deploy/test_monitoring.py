@@ -25,7 +25,7 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
 
 def exported() -> dict[str, set[str]]:
     """Service → the series names its metrics module exports (``_total``, ``_bucket`` ... included)."""
-    runner = SimpleNamespace(info=SimpleNamespace(num_blocks=8), num_free_blocks=8)
+    runner = SimpleNamespace(info=SimpleNamespace(num_blocks=8), num_free_blocks=8, num_lora_loads=0)
     registries = {
         "gateway": GatewayMetrics("m").registry,
         "scheduler": SchedulerMetrics(None).registry,
@@ -164,7 +164,7 @@ def test_every_metric_is_documented_with_its_owner():
 
 
 def test_gauges_read_kv_at_scrape_time_and_pass_size_classes():
-    runner = SimpleNamespace(info=SimpleNamespace(num_blocks=8), num_free_blocks=2)
+    runner = SimpleNamespace(info=SimpleNamespace(num_blocks=8), num_free_blocks=2, num_lora_loads=0)
     m = WorkerMetrics("w0", "m", None, runner)
     value = lambda name: m.registry.get_sample_value(name, {"model_name": "m", "worker": "w0"})  # noqa: E731
     assert value("fuseserve_kv_cache_usage_perc") == 0.75 and value("fuseserve_kv_cache_blocks_used") == 6
