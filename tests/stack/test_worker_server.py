@@ -37,6 +37,7 @@ class _SlowRunner:
         self.num_passes_done = 0
         self.seqs: dict[int, object] = {}
         self.num_free_blocks = 10
+        self.num_lora_loads = 0  # the Runner protocol's (no adapters here)
 
     def step(self, plan: StepPlan) -> StepResult:
         self.order.append(plan.step_id)
