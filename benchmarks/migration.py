@@ -31,26 +31,14 @@ import numpy as np
 from fuseserve.redis_launcher import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from stack_harness import MODEL, openai_client, stats_of_live_schedulers, wait_for, worker_num_running  # noqa: E402
-
-
-def _stream(client, prompt: list[int], max_tokens: int, stamps: list) -> list[int]:
-    """One greedy streamed completion of a token-id prompt; returns the chunks' texts' token count
-    proxy (the texts) and appends ``(time, stream)`` per chunk to ``stamps``."""
-    out = []
-    stream = client.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    for chunk in stream:
-        if chunk.choices:
-            out.append(chunk.choices[0].text)
-            stamps.append(time.monotonic())
-    return out
+from stack_harness import (  # noqa: E402
+    MODEL,
+    ask_streamed,
+    openai_client,
+    stats_of_live_schedulers,
+    wait_for,
+    worker_num_running,
+)
 
 
 def run(url: str, prompts: list[list[int]], max_tokens: int, disturb=None) -> tuple[list, list[list[float]]]:
@@ -58,7 +46,7 @@ def run(url: str, prompts: list[list[int]], max_tokens: int, disturb=None) -> tu
     client = openai_client(url, max_retries=0)
     stamps: list[list[float]] = [[] for _ in prompts]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
-        futures = [ex.submit(_stream, client, p, max_tokens, stamps[i]) for i, p in enumerate(prompts)]
+        futures = [ex.submit(ask_streamed, client, p, max_tokens, stamps[i]) for i, p in enumerate(prompts)]
         if disturb is not None:
             wait_for(lambda: all(len(s) >= 4 for s in stamps), 600, "every stream decoding")
             disturb()

@@ -54,7 +54,8 @@ def openai_client(base: str, **kwargs):
 
 def ask_streamed(client, prompt: str, max_tokens: int, progress: list | None = None) -> tuple[str, int]:
     """Stream one greedy completion of ``max_tokens`` tokens (EOS ignored); returns its text and the
-    completion tokens counted by the usage chunk. ``progress``: a list each text chunk appends to."""
+    completion tokens counted by the usage chunk. ``progress``: a list each text chunk appends its
+    arrival time to (``time.monotonic``)."""
     stream = client.completions.create(
         model=MODEL,
         prompt=prompt,
@@ -69,7 +70,7 @@ def ask_streamed(client, prompt: str, max_tokens: int, progress: list | None = N
         if chunk.choices:
             text += chunk.choices[0].text
             if progress is not None:
-                progress.append(1)
+                progress.append(time.monotonic())
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
     return text, usage
