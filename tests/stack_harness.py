@@ -137,6 +137,18 @@ def worker_num_running(stack, worker_id: str) -> int:
         return pb_grpc.WorkerStub(channel).Health(pb.HealthRequest(), timeout=10).num_running_seqs
 
 
+def busiest_worker(stack, worker_ids: list[str]) -> tuple[str, int]:
+    """``(worker id, sequences held)`` of the worker among ``worker_ids`` holding the most sequences,
+    once one holds some (placement may put every sequence on one worker: which is not fixed)."""
+
+    def busiest():
+        held = {w: worker_num_running(stack, w) for w in worker_ids}
+        name = max(held, key=held.get)
+        return (name, held[name]) if held[name] else None
+
+    return wait_for(busiest, 60, "a worker holding sequences")
+
+
 def proc_named(stack, name: str):
     """The child process called ``name`` (``stack.procs``)."""
     return next(p for n, p in stack.procs if n == name)
