@@ -30,7 +30,7 @@ instead of dequantizing them to float32. A Hugging Face checkpoint's own ``quant
 
 # KV cache storage: auto = the model's dtype; fp8 = e4m3 with per-tensor scales (kernels/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8")
-MIGRATIONS = ("drain", "off")  # KV migration (services/scheduler/migration.py)
+MIGRATIONS = ("drain", "balance", "off")  # KV migration (services/scheduler/migration.py)
 _ALL = ("generate", "serve", "scheduler", "worker")
 _RUNNER = ("generate", "serve", "worker")  # the model runner's options
 _PLANNER = ("generate", "serve", "scheduler")  # the scheduler's alone
@@ -64,7 +64,12 @@ class EngineConfig:
     overlap: build and send each worker's next plan while its current pass runs (at most one plan
         queued per worker); False runs one plan at a time per worker.
     migration: "drain" moves a draining worker's decoding sequences to other workers with their K/V
-        (``services/scheduler/migration.py``); "off" lets them finish there.
+        (``services/scheduler/migration.py``); "balance" does that and also moves sequences from a
+        worker whose queue delay exceeds another's by ``balance_threshold`` seconds; "off" lets them
+        finish where they run.
+    balance_threshold: with ``migration="balance"``, the seconds by which one worker's expected time
+        to finish its sequences (``placement.drain_seconds``) must exceed another's before sequences
+        move from the first to the second.
     enable_prefix_caching: reuse the K/V of full blocks already computed for an equal prefix
         (``services/scheduler/block_accounting.py``); keyword ``prefix_caching``, flag
         ``--no-prefix-caching``.
@@ -168,9 +173,18 @@ class EngineConfig:
     migration: str = option(
         "drain",
         "KV migration: 'drain' moves a draining worker's decoding sequences, with their KV cache, to "
-        "other workers instead of letting them finish there; 'off' (default: %(default)s)",
+        "other workers instead of letting them finish there; 'balance' also moves sequences off a "
+        "worker whose queue delay exceeds another's by --balance-threshold; 'off' (default: %(default)s)",
         commands=_STACK,
         choices=MIGRATIONS,
+    )
+    balance_threshold: float = option(
+        1.0,
+        "with --migration balance: seconds by which one worker's expected time to finish its "
+        "sequences must exceed another's before sequences move (default: %(default)s)",
+        commands=_STACK,
+        type=float,
+        metavar="SECONDS",
     )
     enable_prefix_caching: bool = option(
         True,
@@ -275,6 +289,8 @@ class EngineConfig:
             raise InvalidParameterError("policy", self.policy, ", ".join(POLICIES))
         if self.migration not in MIGRATIONS:
             raise InvalidParameterError("migration", self.migration, ", ".join(MIGRATIONS))
+        if not self.balance_threshold >= 0:
+            raise InvalidParameterError("balance_threshold", self.balance_threshold, "seconds >= 0")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidParameterError(
                 "attention_backend", self.attention_backend, ", ".join(ATTENTION_BACKENDS)

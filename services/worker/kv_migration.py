@@ -124,7 +124,7 @@ def from_parts(
         elif snap is None or part.seq_id != snap.seq_id or part.layer != len(snap.layers):
             raise SchedulerError(f"KV migration: layer {part.layer} of seq {part.seq_id} out of order")
         else:
-            shape = (len(block_ids), *layer_shape)
+            shape = (-(-snap.num_computed // layer_shape[0]), *layer_shape)  # the blocks of its K/V
             snap.layers.append((_tensor_from(part.k, dtype, shape), _tensor_from(part.v, dtype, shape)))
         if part.last:
             yield snap, block_ids, part.fence
@@ -162,9 +162,10 @@ def export_model_seq(runner, seq_id: int) -> SeqSnapshot:
 
 
 def import_model_seq(runner, snap: SeqSnapshot, block_ids: list[int]) -> None:
-    """``ModelRunner.import_seq``: write ``snap``'s K/V into ``block_ids`` of this runner's cache and
-    take the sequence. Raises ``SchedulerError`` when the K/V dtype, the layer count or the number of
-    blocks does not match (nothing written then)."""
+    """``ModelRunner.import_seq``: write ``snap``'s K/V into the first ``block_ids`` of this runner's
+    cache and take the sequence with all of them as its table (the scheduler reserved blocks for the
+    rest of its prompt too). Raises ``SchedulerError`` when the K/V dtype, the layer count or the
+    number of blocks does not match (nothing written then)."""
     import torch
 
     from fuseserve.worker.sampler import SeqSamplingState
@@ -176,11 +177,14 @@ def import_model_seq(runner, snap: SeqSnapshot, block_ids: list[int]) -> None:
             f"seq {snap.seq_id}: {len(snap.layers)} layers of {snap.kv_dtype} K/V for a cache of "
             f"{len(kv.k)} layers of {kv.dtype}"
         )
-    if len(block_ids) * kv.block_size < snap.num_computed or len(block_ids) != snap.layers[0][0].shape[0]:
-        raise SchedulerError(f"seq {snap.seq_id}: {len(block_ids)} blocks for {snap.num_computed} tokens")
+    n = snap.layers[0][0].shape[0]
+    if n * kv.block_size < snap.num_computed or len(block_ids) < n:
+        raise SchedulerError(
+            f"seq {snap.seq_id}: {n} blocks of K/V for {snap.num_computed} tokens, {len(block_ids)} to hold them"
+        )
     if snap.lora is not None and (runner.lora is None or snap.lora not in runner.lora.adapters):
         raise SchedulerError(f"seq {snap.seq_id}: LoRA adapter {snap.lora!r} is not served here")
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv.k[0].device)
+    index = torch.tensor(block_ids[:n], dtype=torch.long, device=kv.k[0].device)
     for (k, v), (dk, dv) in zip(snap.layers, zip(kv.k, kv.v, strict=True), strict=True):
         dk.index_copy_(0, index, k.to(dk.device))
         dv.index_copy_(0, index, v.to(dv.device))

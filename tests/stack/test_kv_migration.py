@@ -126,8 +126,9 @@ def test_a_sequence_part_way_through_its_prompt_moves_and_finishes_it_there(chec
         params = PARAMS["greedy"]
         for w in (home, src):  # the first 8 prompt tokens computed, nothing sampled yet
             w.run_chunk(SeqChunk(1, 0, 8, PROMPT[:8], False, params, len(PROMPT)))
-        answer = _migrate(src, dst, 1, 8)
+        answer = _migrate(src, dst, 1, len(PROMPT))  # blocks for the whole prompt, as the scheduler reserves
         assert list(answer.moved_seq_ids) == [1] and dst.runner.seqs[1].last_token is None
+        assert len(dst.runner.seqs[1].block_table) == 5 and answer.num_bytes == 2 * 2 * 2 * BLOCK * 2 * 8 * 4
         rest = lambda w: w.run(SeqChunk(1, 8, len(PROMPT) - 8, PROMPT[8:], True))  # noqa: E731
         assert rest(dst) == rest(home)
         assert _decode(dst, len(PROMPT), 6) == _decode(home, len(PROMPT), 6)

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 import redis
-from stack_harness import MODEL, busiest_worker, openai_client, wait_for
+from stack_harness import MODEL, busiest_worker, openai_client
 
 from fuseserve import messages
 from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, free_port

@@ -349,6 +349,7 @@ def stats_command(service) -> tuple:
         "taken_over": service.num_taken_over,
         "migrated": totals.num_migrated,
         "migrated_bytes": totals.num_migrated_bytes,
+        "rebalanced": totals.num_rebalanced,
         "recomputed_tokens": totals.num_recomputed_tokens,
         "migration_seconds": totals.migration_seconds,
         "lost_to_peers": service.num_lost_to_peers,
