@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import redis
@@ -32,9 +33,12 @@ from benchmarks.peers import openai_send
 from benchmarks.workload import BenchRequest, closed_loop
 from fuseserve import messages
 from fuseserve.cli import serve_args
-from fuseserve.launcher import start_stack, worker_argv
+from fuseserve.launcher import start_stack
 from fuseserve.redis_launcher import free_port
 from fuseserve.worker.sim_runner import SIM_FIRST_TOKEN, SIM_VOCAB_SIZE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from stack_harness import spawn_sim_worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"  # the gateway's tokenizer
 
@@ -62,8 +66,7 @@ def run_mode(args: argparse.Namespace, mode: str, requests: list[BenchRequest]) 
         async def join_fast() -> None:
             while _stats(r).get("workers", {}).get("worker-0", {}).get("running", 0) < args.join_at:
                 await asyncio.sleep(0.05)
-            fast = dataclasses.replace(options, simulate_slowdown="1")
-            stack.spawn("worker-1", worker_argv(fast, stack.redis.url, 1))
+            spawn_sim_worker(stack, options, 1, 1.0)
             joined["t"] = time.perf_counter()
 
         async def burst():

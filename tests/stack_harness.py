@@ -149,6 +149,20 @@ def busiest_worker(stack, worker_ids: list[str]) -> tuple[str, int]:
     return wait_for(busiest, 60, "a worker holding sequences")
 
 
+def spawn_sim_worker(stack, options, index: int, slowdown: float) -> str:
+    """Start one more simulated worker (``fuseserve worker --simulate``) in ``stack``, started from
+    ``options`` (its ``ServeOptions``), as ``worker-{index}`` with ``slowdown``; returns its id (it
+    registers on its own)."""
+    import dataclasses
+
+    from fuseserve.launcher import worker_argv
+
+    worker_id = f"worker-{index}"
+    opts = dataclasses.replace(options, simulate_slowdown=str(slowdown))
+    stack.spawn(worker_id, worker_argv(opts, stack.redis.url, index, worker_id=worker_id))
+    return worker_id
+
+
 def proc_named(stack, name: str):
     """The child process called ``name`` (``stack.procs``)."""
     return next(p for n, p in stack.procs if n == name)

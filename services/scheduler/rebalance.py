@@ -7,10 +7,15 @@ longest queue delay exceeds the shortest by ``balance_threshold`` seconds, seque
 first worker to the second, those with the most tokens left to generate first (the ones its clients
 would wait for longest), each only when the move lowers the sum of the two workers' finish times
 (what the clients wait in all): not onto a worker where it, or those already there, would finish
-later than they gain. A sequence that asked for prompt logprobs, or does not
-fit the destination (blocks for all its tokens above the watermark, ``max_num_seqs``, the adapter
-slots), stays. The moves are carried out by ``migration.Migrations`` like a drain's: the source gets
-no plan until its plans in flight are answered, then sends the K/V.
+later than they gain. A sequence that asked for prompt logprobs, or does not fit the destination
+(blocks for all its tokens above the watermark, ``max_num_seqs``, the adapter slots), stays.
+
+A worker with no measured pass yet (one that just joined) is estimated with another's line; when
+that shows no gain it still gets one sequence, the longest to run, whose passes then measure it (a
+3x-faster worker that joined idle would otherwise look as slow as the others and stay idle).
+
+The moves are carried out by ``migration.Migrations`` like a drain's: the source gets no plan until
+its plans in flight are answered, then sends the K/V.
 
 The plan is made at most every ``BALANCE_INTERVAL_S`` seconds, never for a worker already moving
 sequences or draining, and only between workers whose handles migrate.
@@ -97,6 +102,10 @@ def plan_rebalance(config: EngineConfig, slots: list[WorkerSlot]) -> tuple[Worke
         else:  # no gain: put it back
             src.moved(seq, +1)
             dst.moved(seq, -1)
+    if not moves and dst.slot.step_time.seconds(1) is None:  # a worker never measured (one that joined):
+        probe = next((q for q in by_left if q.params.prompt_logprobs is None and _fits(config, dst, q)), None)
+        if probe is not None and room > 0:  # one sequence teaches the scheduler its speed
+            moves[probe.seq_id] = dst.slot.name
     return (src.slot, moves) if moves else None
 
 

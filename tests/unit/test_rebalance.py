@@ -125,3 +125,16 @@ def test_sequences_on_the_slow_worker_move_to_a_fast_one_that_joins():
     assert not any(w.errors for w in workers.values())
     for slot in sched.slots.values():
         slot.account.check()
+
+
+def test_a_worker_never_measured_gets_one_sequence_to_learn_its_speed():
+    """Its line is another's: with passes whose time does not grow with the batch no move gains,
+    yet it gets the longest sequence; once measured, the usual rule applies."""
+    config = EngineConfig(token_budget=32, block_size=BS, migration="balance", balance_threshold=1.0)
+    busy = _slot("busy", _model(0.3, 0.0), [40, 100, 60])
+    joined = _slot("joined", StepTimeModel(), [])
+    source, moves = plan_rebalance(config, [busy, joined])
+    longest = max(busy.running, key=lambda s: s.params.max_new_tokens)
+    assert source is busy and moves == {longest.seq_id: "joined"}
+    measured = _slot("measured", _model(0.3, 0.0), [])
+    assert plan_rebalance(config, [busy, measured]) is None
