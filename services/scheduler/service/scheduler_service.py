@@ -110,7 +110,7 @@ class SchedulerService:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owners: dict[int, _Owner] = {}
         self.inbox = RedisInbox(self.r, self.consumer, wake=self.core.wakeup)
-        self.conn = redis_io.LoopConnection(self.r)  # the loop's writes and periodic reads
+        self.conn = redis_io.LoopConnection(self.r, self.consumer)  # the loop's writes and periodic reads
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port, config.max_loras)
         self.leases = WorkerLeases(
