@@ -238,6 +238,7 @@ class MovingWorker(FakeWorker):
         self.pass_seconds = pass_seconds  # (a, b): report a + b x tokens seconds per pass
         self.hold = False
         self.fail = False
+        self.blocks_sent = 0  # blocks whose K/V ``migrate`` copied (shared ones are not)
         self._held = []
 
     def step(self, plan: StepPlan) -> StepResult:
@@ -250,17 +251,23 @@ class MovingWorker(FakeWorker):
     def migrate(self, dest: MovingWorker, moves, on_done) -> None:
         from fuseserve.scheduler.migration import MigrationResult
 
-        moved = []
+        moved, sent = [], 0
         if not self.fail:
-            for seq_id, block_ids in moves:
+            for seq_id, block_ids, shared in moves:
                 seq = self.seqs.pop(seq_id)
                 written = -(-len(seq.tokens) // self.block_size)  # the blocks holding its K/V
                 for i, b in enumerate(seq.table[:written]):
+                    if i < shared:  # the destination's cached block: it must hold the same K/V
+                        if dest.slots.get(block_ids[i]) != self.slots[b]:
+                            raise PlanError(f"seq {seq_id}: shared block {block_ids[i]} holds other K/V")
+                        continue
                     dest.slots[block_ids[i]] = list(self.slots[b])
+                    sent += 1
                 seq.table = list(block_ids)
                 dest.seqs[seq_id] = seq
                 moved.append(seq_id)
-        result = MigrationResult(moved, num_bytes=100 * len(moved), seconds=0.01)
+        self.blocks_sent += sent
+        result = MigrationResult(moved, num_bytes=100 * sent, seconds=0.01)
         if self.hold:
             self._held.append((on_done, result))
         else:

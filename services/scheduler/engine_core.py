@@ -356,7 +356,7 @@ class EngineCore:
         slots = self.scheduler.slots
         source = slots[name].handle
         for order in self.scheduler.migrations.start(name):
-            moves = [(seq.seq_id, ids) for seq, ids in order.moves]
+            moves = [(seq.seq_id, ids, shared) for seq, ids, shared in order.moves]
             log.info("migrating %d sequences from %s to %s", len(moves), name, order.dest)
             source.migrate(slots[order.dest].handle, moves, lambda res, o=order: self._migration_done(o, res))
 

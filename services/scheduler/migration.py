@@ -5,7 +5,8 @@ With ``migration="drain"`` a worker that starts draining is not planned again; o
 in flight, one round of moves is planned (``Migrations.start``): each sequence goes to the worker with
 the largest share of free blocks that can hold all its tokens (its computed K/V, the rest of its
 prompt or its next decode) and the watermark (blocks reserved there now, in table order: the K/V fills
-the first ones), decoding or part-way through its prompt (the rest of
+the first ones; those of its computed prefix that the destination's prefix cache holds are shared
+there, reference counted, and not sent), decoding or part-way through its prompt (the rest of
 the prompt is computed there); one that has computed nothing here yet goes back to the queue; one
 that fits nowhere, or asked for prompt logprobs, stays and finishes at home. The
 engine core sends each destination's moves to the source worker's handle (``migrate``); when the
@@ -24,6 +25,7 @@ Not migrated: sequences that asked for prompt logprobs, workers whose handle can
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fuseserve.config import EngineConfig
@@ -40,11 +42,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class MigrationOrder:
     """The moves from one source worker to one destination: ``moves`` are ``(sequence, destination
-    block ids)`` in order."""
+    block ids, shared)`` in order, ``shared`` the leading blocks the destination's prefix cache holds
+    already (their K/V is not sent)."""
 
     source: str
     dest: str
-    moves: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    moves: list[tuple[Sequence, list[int], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -68,8 +71,10 @@ class Migrations:
         registry: WorkerRegistry,
         lifecycle: SeqLifecycle,
         counters: SchedulerCounters,
+        prefix_hit: Callable[[WorkerSlot, Sequence], list[int]] = lambda slot, seq: [],
     ):
         self.config = config
+        self.prefix_hit = prefix_hit  # a worker's cached blocks holding a sequence's prefix
         self.registry = registry
         self.lifecycle = lifecycle
         self.counters = counters
@@ -131,9 +136,12 @@ class Migrations:
                 continue
             if seq.lora is not None:
                 adapters.setdefault(dest.name, set()).add(seq.lora)
-            dest.account.reserve(seq.seq_id, seq.num_tokens)  # a prompt's continuing chunks bring no block
+            # blocks for all its tokens (a prompt's continuing chunks bring none), starting from the
+            # destination's cached blocks of its computed prefix: shared, not sent
+            shared = self.prefix_hit(dest, seq)[: seq.num_computed_tokens // dest.account.block_size]
+            dest.account.reserve(seq.seq_id, seq.num_tokens, shared)
             order = orders.setdefault(dest.name, MigrationOrder(name, dest.name))
-            order.moves.append((seq, dest.account.unsent(seq.seq_id)))
+            order.moves.append((seq, dest.account.unsent(seq.seq_id), len(shared)))
         done = MigrationPhase.DONE if drain else MigrationPhase.NONE
         slot.migration = MigrationPhase.MOVING if orders else done
         self.draining_round[name] = drain
@@ -165,7 +173,7 @@ class Migrations:
         they were put back in the queue already)."""
         moved = set() if isinstance(result, Exception) else set(result.moved)
         src, dst = self.registry.slots.get(order.source), self.registry.slots.get(order.dest)
-        for seq, _ in order.moves:
+        for seq, _, _ in order.moves:
             here = src is not None and seq.status is SeqStatus.RUNNING and seq.worker == order.source
             if seq.seq_id in moved and here and dst is not None:
                 src.account.release(seq.seq_id)  # the source worker dropped its copy itself

@@ -231,7 +231,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 try:
                     if not hasattr(self.runner, "export_seq"):
                         raise SchedulerError(f"{type(self.runner).__name__} does not migrate sequences")
-                    snaps.append((self.runner.export_seq(move.seq_id), list(move.dest_block_ids)))
+                    snap = self.runner.export_seq(move.seq_id)
+                    snap.share_leading(move.num_shared_blocks)
+                    snaps.append((snap, list(move.dest_block_ids)))
                 except SchedulerError as e:
                     errors.append(str(e))
         start = time.perf_counter()

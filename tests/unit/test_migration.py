@@ -184,3 +184,35 @@ def test_a_sequence_part_way_through_its_prompt_moves_and_computes_the_rest_ther
     assert core.scheduler.num_migrated >= len(moving) and core.scheduler.num_recomputed_tokens == 0
     for slot in core.scheduler.slots.values():
         slot.account.check()
+
+
+def test_a_moved_sequence_shares_the_destinations_cached_prefix_blocks():
+    """The destination already computed the same prompt prefix (another sequence): those blocks are
+    shared there (reference counted, their K/V not sent) and the moved sequence ends as it would at
+    home; the fake worker checks that each shared block holds the sequence's own K/V."""
+    history: dict = {}
+    workers = {n: MovingWorker(num_blocks=64, block_size=BS, name=n, history=history) for n in ("w0", "w1")}
+    config = EngineConfig(token_budget=32, block_size=BS, prefix_aware_placement=False)
+    core = EngineCore(config, eos_token_ids=[])
+    core.add_worker("w0", workers["w0"], 64, BS, 1 << 12, threaded=False)
+    prefix = list(range(10, 26))  # 4 full blocks
+    moving = Sequence(1, prefix + [7, 8], PARAMS)
+    core.add_request(moving)
+    _run(core, [moving], until=lambda: len(moving.output_token_ids) >= 2)
+    core.add_worker("w1", workers["w1"], 64, BS, 1 << 12, threaded=False)
+    other = Sequence(2, prefix + [9], PARAMS)
+    core.add_request(other)
+    _run(core, [moving, other], until=lambda: other.worker == "w1" and len(other.output_token_ids) >= 1)
+    assert moving.worker == "w0"
+    core.drain_worker("w0")
+    _run(core, [moving, other], until=lambda: moving.worker == "w1")
+    account = core.scheduler.slots["w1"].account
+    assert account.tables[1][:4] == account.tables[2][:4]  # the prefix's blocks, held by both
+    assert 0 < workers["w0"].blocks_sent <= len(account.tables[1]) - 4  # only those after the prefix
+    _run(core, [moving, other])
+    assert len(moving.output_token_ids) == PARAMS.max_new_tokens and not any(
+        w.errors for w in workers.values()
+    )
+    assert history[1][: len(moving.prompt_token_ids)] == moving.prompt_token_ids
+    for slot in core.scheduler.slots.values():
+        slot.account.check()
