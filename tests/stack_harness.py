@@ -52,12 +52,14 @@ def openai_client(base: str, **kwargs):
     return openai.OpenAI(base_url=f"{base}/v1", timeout=300, **kwargs)
 
 
-def ask_streamed(client, prompt: str, max_tokens: int, progress: list | None = None) -> tuple[str, int]:
-    """Stream one greedy completion of ``max_tokens`` tokens (EOS ignored); returns its text and the
-    completion tokens counted by the usage chunk. ``progress``: a list each text chunk appends its
-    arrival time to (``time.monotonic``)."""
+def ask_streamed(
+    client, prompt: str, max_tokens: int, progress: list | None = None, model: str = MODEL
+) -> tuple[str, int]:
+    """Stream one greedy completion of ``max_tokens`` tokens (EOS ignored) from ``model`` (a LoRA
+    adapter's name, say); returns its text and the completion tokens counted by the usage chunk.
+    ``progress``: a list each text chunk appends its arrival time to (``time.monotonic``)."""
     stream = client.completions.create(
-        model=MODEL,
+        model=model,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
