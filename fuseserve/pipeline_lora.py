@@ -34,7 +34,8 @@ def load_lora(pipe, name: str, path: str | Path) -> None:
     runtime = {**pipe.runtime_loras, name: path}
     if name not in pipe.runner.set_runtime_loras(runtime):  # read and checked against the model
         pipe.runner.set_runtime_loras(pipe.runtime_loras)
-        raise LoRAAdapterError(name, f"{path} does not fit this model (the log says why)")
+        why = pipe.runner.lora.refused.pop(name, (path, f"{path} cannot be served"))[1]
+        raise LoRAAdapterError(name, why.removeprefix(f"LoRA adapter {name!r}: "))
     pipe.runtime_loras = runtime
     config.lora_modules = [*(config.lora_modules or []), f"{name}={path}"]
 

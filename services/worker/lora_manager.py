@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fuseserve.errors import InvalidRequestError, LoRAAdapterError, SchedulerError
+from fuseserve.errors import InvalidRequestError, SchedulerError
 from fuseserve.worker.lora_adapter import LoRAAdapter, read_adapter
 from fuseserve.worker.lora_layers import LoRABatch, wrap_model
 
@@ -54,7 +54,7 @@ class LoRAManager:
         self.model = model
         self.max_rank = max_rank
         self.runtime: dict[str, LoRAAdapter] = {}  # loaded at runtime (replaced whole: read lock-free)
-        self._refused: dict[str, str] = {}  # runtime adapter → the path refused (logged once)
+        self.refused: dict[str, tuple[str, str]] = {}  # runtime adapter → (path, why), logged once
         self.layers = wrap_model(model, max_loras, max_rank, dtype, device)
         self.kernel = "triton" if device.type == "cuda" else "grouped"
         self.device = device
@@ -120,7 +120,7 @@ class LoRAManager:
         runtime = {}
         for name, path in paths.items():
             old = self.runtime.get(name)
-            if name in self.adapters or self._refused.get(name) == path:
+            if name in self.adapters or self.refused.get(name, ("",))[0] == path:
                 continue
             if old is not None and str(old.path) == str(path):
                 runtime[name] = old
@@ -128,9 +128,9 @@ class LoRAManager:
             t0 = time.perf_counter()
             try:
                 runtime[name] = read_adapter(name, path, self.model, self.max_rank)
-            except LoRAAdapterError as e:
+            except Exception as e:  # noqa: BLE001  # a checkpoint that breaks the reader must not stop the worker
                 log.warning("runtime LoRA adapter refused: %s", e)
-                self._refused[name] = path
+                self.refused[name] = (path, str(e))
                 continue
             log.info("LoRA adapter %s read from %s in %.2f s", name, path, time.perf_counter() - t0)
         self.runtime = runtime
