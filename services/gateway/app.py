@@ -344,10 +344,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def models():
         await gw.served.refresh(gw.redis)
         workers = await gw.live_workers()
-        return {
-            "object": "list",
-            "data": [utilities.model_card(gw, name, workers) for name in gw.served.names],
-        }
+        return {"object": "list", "data": [utilities.model_card(gw, n, workers) for n in gw.served.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):

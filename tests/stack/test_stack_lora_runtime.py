@@ -13,7 +13,7 @@ import threading
 import httpx
 import openai
 import pytest
-from stack_harness import MODEL, ask_streamed, openai_client, recovery_stack, wait_for
+from stack_harness import MODEL, ask_streamed, openai_client, recovery_pipeline, recovery_stack, wait_for
 
 import fuseserve
 
@@ -46,15 +46,8 @@ def expected(smollm2_source, adapters) -> dict[str, str]:
     """Adapter → the pipeline's greedy text (``STREAM_TOKENS`` for the startup ones, ``MAX_TOKENS``
     for ``new-lora``, loaded at runtime with ``pipe.load_lora``), with the stack's settings."""
     startup = {name: adapters[name] for name in STARTUP}
-    with fuseserve.pipeline(
-        str(smollm2_source.path),
-        token_budget=32,
-        kv_cache_memory="64MiB",
-        dtype="float32",
-        lora_modules=startup,
-        max_loras=2,
-        allow_runtime_lora=True,
-        progress=False,
+    with recovery_pipeline(
+        smollm2_source, lora_modules=startup, max_loras=2, allow_runtime_lora=True
     ) as pipe:
         kw = dict(temperature=0.0, ignore_eos=True)
         out = {name: pipe(PROMPT, lora=name, max_new_tokens=STREAM_TOKENS, **kw)[0].text for name in STARTUP}
