@@ -152,8 +152,9 @@ class WorkerLeases:
                 )
                 self.drop(wid)
                 continue
-            # adapters loaded or unloaded at runtime change what the worker advertises
-            scheduler.slots[wid].lora_adapters = frozenset(records[wid].lora_adapters)
+            slot = scheduler.slots.get(wid)
+            if slot is not None:  # adapters loaded or unloaded at runtime change what it advertises
+                slot.lora_adapters = frozenset(records[wid].lora_adapters)
             if records[wid].draining:
                 self.core.drain_worker(wid)  # no new sequences there; its running ones finish
         share = math.ceil(len(records) / max(1, live))
