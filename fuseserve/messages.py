@@ -173,8 +173,8 @@ def merge_scheduler_stats(raws: list, now: float) -> dict:
     scheduler), ``time`` the newest record's, ``schedulers`` how many records were merged,
     ``lora_in_use`` the LoRA adapters of sequences running or waiting in any scheduler (a set),
     ``lora_served`` the adapters every scheduler driving workers can place (a set: a request for one
-    is served whichever scheduler reads it; None: no scheduler drives a worker); ``{}`` when there is
-    no record.
+    is served whichever scheduler reads it; None: no scheduler drives a worker, its record's
+    ``lora_served`` is null); ``{}`` when there is no record.
     """
     out: dict = {}
     for raw in raws:
@@ -194,8 +194,8 @@ def merge_scheduler_stats(raws: list, now: float) -> dict:
         out["workers"].update(rec.get("workers", {}))
         out["schedulers"] += 1
         out["lora_in_use"].update(rec.get("lora_in_use", ()))
-        if rec.get("workers"):
-            served = set(rec.get("lora_served", ()))
+        if rec.get("lora_served") is not None:  # a scheduler that drives workers
+            served = set(rec["lora_served"])
             out["lora_served"] = served if out["lora_served"] is None else out["lora_served"] & served
     return out
 

@@ -9,8 +9,8 @@ Redis hash ``messages.RUNTIME_LORA`` (name → path):
   pipeline and the workers run too: 400 for a bad path, a checkpoint that is not a PEFT LoRA, a rank
   above ``--max-lora-rank``, an unserved target, a name taken by the base model or a loaded adapter),
   adds the entry, and answers once every scheduler that drives workers has a worker advertising it
-  (workers read the hash at each heartbeat, ``services/worker/registration.py``, and read the weights
-  then; they enter an adapter slot only when a request needs them). When no worker can serve it within
+  (``_served``; workers read the hash at each heartbeat, ``services/worker/registration.py``, and
+  read the weights then; they enter an adapter slot only when a request needs them). When no worker can serve it within
   ``LOAD_WAIT_S`` (another base model's shapes, a path the workers cannot read) the entry is removed
   and the answer is a 400.
 - unload refuses (409) while a sequence of the adapter is running or waiting: on this gateway
@@ -74,10 +74,7 @@ async def load(gw, body: dict) -> PlainTextResponse:
         raise InvalidRequestError(f"LoRA adapter {name!r} is already loaded; unload it first", "lora_name")
     await served.refresh(gw.redis)
     deadline = time.monotonic() + LOAD_WAIT_S
-    while True:
-        served_by = (await gw.admission.scheduler_stats()).get("lora_served")
-        if served_by is None or name in served_by:  # no scheduler drives a worker yet, or all serve it
-            break
+    while not await _served(gw, name):
         if time.monotonic() > deadline:
             await _remove(gw, name, path)
             raise LoRAAdapterError(
@@ -88,6 +85,17 @@ async def load(gw, body: dict) -> PlainTextResponse:
         await asyncio.sleep(_POLL_S)
     log.info("LoRA adapter %s loaded from %s", name, path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _served(gw, name: str) -> bool:
+    """Every scheduler that drives workers has one advertising ``name``; while none drives a worker
+    (they are starting), some live worker advertises it, or there is no worker at all (one that
+    starts later reads the hash)."""
+    served_by = (await gw.admission.scheduler_stats()).get("lora_served")
+    if served_by is not None:
+        return name in served_by
+    records = await gw.admission.worker_records()
+    return not records or any(name in r.lora_adapters for r in records)
 
 
 async def unload(gw, body: dict) -> PlainTextResponse:

@@ -142,3 +142,15 @@ def test_refusals(url, adapters):
     assert bad.status_code == 400 and "/no/such/adapter" in bad.json()["error"]["message"]
     body = {"lora_name": "x", "lora_path": adapters[NEW[0]]}
     assert _post(url, "/v1/load_lora_adapter", body, headers={}).status_code == 401
+
+
+def test_a_request_right_after_a_load_is_served(url, adapters, expected):
+    """On an idle stack the load answers only once the schedulers place the adapter: the next request
+    is served (a load that answered before the workers advertised it gave a 404 here)."""
+    r = _post(url, "/v1/load_lora_adapter", {"lora_name": "again-lora", "lora_path": adapters[NEW[0]]})
+    assert r.status_code == 200, r.text
+    with fuseserve.Client(url, api_key=KEY) as fs:
+        out = fs.generate(
+            PROMPT, lora="again-lora", max_new_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+        )
+    assert out[0].text == expected[NEW[0]]

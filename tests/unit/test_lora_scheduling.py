@@ -245,13 +245,8 @@ def test_scheduler_stats_merge_the_adapters_in_use_and_served():
     from fuseserve.messages import merge_scheduler_stats
 
     now = time.time()
-    rec = lambda workers, in_use, served: json.dumps(  # noqa: E731
-        {"time": now, "workers": workers, "lora_in_use": in_use, "lora_served": served}
-    )
-    merged = merge_scheduler_stats(
-        [rec({"w0": {}}, ["a"], ["a", "b"]), rec({"w1": {}}, ["c"], ["b"]), rec({}, ["d"], [])], now
-    )
+    rec = lambda in_use, served: json.dumps({"time": now, "lora_in_use": in_use, "lora_served": served})  # noqa: E731
+    # two schedulers drive workers (one of them idle: its stats name no worker), one drives none
+    merged = merge_scheduler_stats([rec(["a"], ["a", "b"]), rec(["c"], ["b"]), rec(["d"], None)], now)
     assert merged["lora_in_use"] == {"a", "c", "d"} and merged["lora_served"] == {"b"}
-    assert (
-        merge_scheduler_stats([rec({}, [], [])], now)["lora_served"] is None
-    )  # no scheduler drives a worker
+    assert merge_scheduler_stats([rec([], None)], now)["lora_served"] is None  # none drives a worker

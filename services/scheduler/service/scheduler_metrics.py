@@ -360,7 +360,7 @@ def stats_command(service) -> tuple:
         "metrics_port": service.metrics.port,
         "metrics_host": socket.gethostname(),
         "lora_in_use": sorted({s.lora for s in in_use if s.lora is not None}),  # running or waiting
-        "lora_served": sorted(set(served)),  # adapters its workers advertise
+        "lora_served": sorted(set(served)) if slots else None,  # adapters its workers advertise
     }
     service.metrics.queue_depth.set(waiting)  # the gauges; ``record`` counted the events
     service.metrics.running.set(running)

@@ -2,8 +2,9 @@
 ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` behind the API key, off unless enabled, OpenAI
 error JSON for every refusal (400 bad checkpoint / rank / name, 404 unknown, 409 in use), the Redis
 hash every gateway reads (a second gateway serves an adapter the first one loaded). The fake scheduler
-drives no worker (its stats record lists none), so a load answers without waiting for workers; the
-stack test (``tests/stack/test_stack_lora_runtime.py``) runs the whole path."""
+drives no worker (its stats record names none), so a load answers once a worker record advertises the
+adapter: a thread plays the workers' heartbeat (``advertise``); the stack test
+(``tests/stack/test_stack_lora_runtime.py``) runs the whole path."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tiny_models import llama_config, random_model
 
 from fuseserve.gateway.app import GatewaySettings, create_app
 from fuseserve.gateway.auth import ApiKeys
-from fuseserve.messages import RUNTIME_LORA, scheduler_stats_key
+from fuseserve.messages import RUNTIME_LORA, WorkerRecord, scheduler_stats_key, worker_key
 
 BASE = "base-model"
 KEY = "runtime-lora-key"
@@ -61,6 +62,27 @@ def gateways(redis_server, smollm2_source, fake):
     yield [s.url for s in served]
     for s in served:
         s.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def advertise(fake):
+    """The workers' heartbeat, played: the fake worker's record lists the runtime adapters (not while
+    the event it yields is set)."""
+    stop, paused = threading.Event(), threading.Event()
+
+    def beat():
+        while not stop.wait(0.02):
+            raw = fake.r.get(worker_key("fake"))
+            if raw and not paused.is_set():
+                record = WorkerRecord.decode(raw)
+                record.lora_adapters = sorted(fake.r.hkeys(RUNTIME_LORA))
+                fake.r.set(worker_key("fake"), record.encode())
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    yield paused
+    stop.set()
+    t.join()
 
 
 @pytest.fixture
@@ -171,3 +193,17 @@ def test_off_unless_enabled(gateways, fake, checkpoints):
     r = httpx.post(f"{gateways[2]}/v1/load_lora_adapter", json=body, headers=AUTH, timeout=30)
     assert "--allow-runtime-lora" in _error(r, 404)["message"]
     assert not fake.r.hexists(RUNTIME_LORA, "new")
+
+
+def test_a_load_no_worker_serves_is_undone(http, fake, checkpoints, advertise, monkeypatch):
+    """A load waits for a worker to advertise the adapter; when none does (a path its host cannot
+    read, another base model, a worker without --allow-runtime-lora), the entry is removed: a 400."""
+    from fuseserve.gateway import lora_admin
+
+    monkeypatch.setattr(lora_admin, "LOAD_WAIT_S", 0.5)
+    advertise.set()
+    try:
+        error = _error(_load(http, "new", checkpoints["r8"]), 400)
+    finally:
+        advertise.clear()
+    assert "no worker serves" in error["message"] and not fake.r.hexists(RUNTIME_LORA, "new")
