@@ -89,6 +89,9 @@ class EngineConfig:
     lora_aware_placement: among the workers loaded near the least, place a LoRA request on one whose
         running sequences use its adapter (``WaitingQueue.place``: no adapter load); False: blind to
         residency (``benchmarks/lora_placement.py`` compares the two). Flag ``--no-lora-aware-placement``.
+    allow_runtime_lora: adapters may be loaded and unloaded while serving (the gateway's
+        ``/v1/load_lora_adapter``, ``pipeline.load_lora``); workers then wrap the model for adapters
+        even without ``lora_modules``. One rank per worker (``tensor_parallel_size`` 1).
     """
 
     token_budget: int | None = option(
@@ -233,7 +236,16 @@ class EngineConfig:
         commands=_ALL,
     )
     max_lora_rank: int = option(
-        16, "largest LoRA rank served; a higher one is refused (default: %(default)s)", commands=_RUNNER
+        16,
+        "largest LoRA rank served; a higher one is refused (default: %(default)s)",
+        commands=(*_RUNNER, "gateway"),
+    )
+    allow_runtime_lora: bool = option(
+        False,
+        "allow loading and unloading LoRA adapters at runtime: POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; off: they answer 404)",
+        commands=("serve", "worker", "gateway"),
+        help_for={"worker": "serve the adapters loaded at runtime (POST /v1/load_lora_adapter)"},
     )
     lora_aware_placement: bool = option(
         True,
@@ -304,6 +316,8 @@ class EngineConfig:
         if self.max_preemptions < 0:
             raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
         self.lora_paths()
+        if self.allow_runtime_lora and self.tensor_parallel_size > 1:
+            raise InvalidParameterError("allow_runtime_lora", True, "tensor_parallel_size 1")
         for name in ("decode_passes", "tensor_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -176,6 +176,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.metrics.observe_step(
                 plan.num_tokens, len(result.tokens), result.forward_seconds, result.num_passes
             )
+            self.metrics.observe_lora_loads(self.runner.take_lora_load_seconds())
         return convert.step_result_to_proto(result, free)
 
     def _refuse(self, step_id: int, fence: int) -> pb.StepResponse:
@@ -364,7 +365,8 @@ def run_worker(args: argparse.Namespace) -> int:
         kv_cache_dtype=info.kv_cache_dtype,
         lora_adapters=list(info.lora_adapters),
     )
-    registration = Registration(args.redis_url, worker_id, record)
+    runtime_loras = runner.set_runtime_loras if args.allow_runtime_lora and not args.simulate else None
+    registration = Registration(args.redis_url, worker_id, record, runtime_loras)
     registration.start()
     log.info(
         "worker %s serving %s at %s (%d KV blocks of %s, token budget %d%s)",

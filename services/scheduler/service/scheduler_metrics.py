@@ -335,6 +335,9 @@ def stats_command(service) -> tuple:
     }
     cpu50, cpu99 = service.core.stats.cpu_per_step_ms()
     idle50, idle99 = service.core.stats.idle_ms()
+    slots = list(service.scheduler.slots.values())
+    in_use = [s for slot in slots for s in slot.running] + list(service.scheduler.waiting)
+    served = [a for slot in slots for a in slot.lora_adapters or ()]
     stats = {
         "waiting": waiting,
         "running": running,
@@ -357,6 +360,8 @@ def stats_command(service) -> tuple:
         "fenced_workers": service.leases.num_fenced,
         "metrics_port": service.metrics.port,
         "metrics_host": socket.gethostname(),
+        "lora_in_use": sorted({s.lora for s in in_use if s.lora is not None}),  # running or waiting
+        "lora_served": sorted(set(served)) if slots else None,  # adapters its workers advertise
     }
     service.metrics.queue_depth.set(waiting)  # the gauges; ``record`` counted the events
     service.metrics.running.set(running)
