@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -359,7 +358,7 @@ def stats_command(service) -> tuple:
         "handed_over": service.num_handed_over,
         "fenced_workers": service.leases.num_fenced,
         "metrics_port": service.metrics.port,
-        "metrics_host": socket.gethostname(),
+        "metrics_host": service.advertise_host,
         "lora_in_use": sorted({s.lora for s in in_use if s.lora is not None}),  # running or waiting
         "lora_served": sorted(set(served)) if slots else None,  # adapters its workers advertise
     }
