@@ -27,6 +27,11 @@ from fuseserve.worker.lora_layers import LoRABatch, wrap_model
 
 log = logging.getLogger(__name__)
 
+#: seconds an adapter unloaded at runtime stays loadable here (no longer advertised): a request
+#: already read by a scheduler that placed it here before its next discovery still runs, instead of
+#: failing the whole pass it lands in
+UNLOAD_GRACE_S = 30.0
+
 
 class LoRAManager:
     """Adapters by name and their slots on one worker (rank).
@@ -55,6 +60,9 @@ class LoRAManager:
         self.max_rank = max_rank
         self.runtime: dict[str, LoRAAdapter] = {}  # loaded at runtime (replaced whole: read lock-free)
         self.refused: dict[str, tuple[str, str]] = {}  # runtime adapter → (path, why), logged once
+        self.retired: dict[
+            str, tuple[LoRAAdapter, float]
+        ] = {}  # unloaded → (adapter, when), for UNLOAD_GRACE_S
         self.layers = wrap_model(model, max_loras, max_rank, dtype, device)
         self.kernel = "triton" if device.type == "cuda" else "grouped"
         self.device = device
@@ -83,6 +91,9 @@ class LoRAManager:
         adapter = self.adapters.get(name) or self.runtime.get(name)
         if adapter is None and name in self.slots:  # unloaded at runtime, still in a slot: late requests run
             adapter = self._held[self.slots.index(name)]
+        if adapter is None and name in self.retired:  # unloaded lately: a request placed meanwhile runs
+            adapter, since = self.retired[name]
+            adapter = adapter if time.monotonic() - since < UNLOAD_GRACE_S else None
         if adapter is None:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r}; loaded: {self.names()}", "lora")
         now = time.monotonic()
@@ -116,7 +127,8 @@ class LoRAManager:
         """Serve the runtime adapters ``paths`` (name → PEFT directory) and no other runtime one;
         returns ``names()``. A new one (or a new path) is read and checked now (``read_adapter``):
         one that cannot be served is logged once and left out. A name of ``lora_modules`` keeps its
-        own adapter. Called from the heartbeat thread: ``runtime`` is replaced whole."""
+        own adapter. One no longer in ``paths`` is retired: not served, yet ``slot`` still loads it
+        for ``UNLOAD_GRACE_S``. Called from the heartbeat thread: ``runtime`` is replaced whole."""
         runtime = {}
         for name, path in paths.items():
             old = self.runtime.get(name)
@@ -133,6 +145,10 @@ class LoRAManager:
                 self.refused[name] = (path, str(e))
                 continue
             log.info("LoRA adapter %s read from %s in %.2f s", name, path, time.perf_counter() - t0)
+        now = time.monotonic()
+        retired = {n: r for n, r in self.retired.items() if n not in runtime and now - r[1] < UNLOAD_GRACE_S}
+        retired |= {n: (a, now) for n, a in self.runtime.items() if n not in runtime}
+        self.retired = retired  # replaced whole, as ``runtime``
         self.runtime = runtime
         return self.names()
 

@@ -2,7 +2,8 @@
 heartbeat hands it is read and checked against the model at once (another base model's adapter is
 left out, so the worker never advertises it), but enters an adapter slot only when a sequence needs
 it; each slot load's seconds are read and reset (``fuseserve_lora_load_seconds``); an unloaded
-adapter still held in a slot serves its late requests, a name never loaded is refused. A tiny CPU
+adapter still held in a slot, or unloaded within ``UNLOAD_GRACE_S``, serves its late requests; a
+name never loaded is refused. A tiny CPU
 ``ModelRunner`` (``tests/tiny_runner.py``) with PEFT adapters."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tiny_models import llama_config, random_model
 from tiny_runner import tiny_llama_runner
 
 from fuseserve.errors import InvalidRequestError
+from fuseserve.worker import lora_manager
 from fuseserve.worker.worker_metrics import WorkerMetrics
 
 
@@ -43,7 +45,8 @@ def adapters(runner, model_dir, tmp_path_factory) -> dict[str, str]:
     }
 
 
-def test_runtime_adapters_are_checked_at_once_and_loaded_when_needed(runner, adapters):
+def test_runtime_adapters_are_checked_at_once_and_loaded_when_needed(runner, adapters, monkeypatch):
+    monkeypatch.setattr(lora_manager, "UNLOAD_GRACE_S", 0.0)  # an unloaded adapter is refused at once
     lora = runner.lora
     assert runner.info.lora_adapters == [] and lora is not None  # wrapped without --lora-modules
     assert runner.set_runtime_loras(adapters) == ["a", "b"]  # "other": another base model's shapes
@@ -60,6 +63,22 @@ def test_runtime_adapters_are_checked_at_once_and_loaded_when_needed(runner, ada
         lora.slot("b", set)
     assert runner.set_runtime_loras({"b": adapters["b"]}) == ["b"]
     assert lora.slot("b", set) == 0 and lora.num_loads == 2  # the idle slot of "a" is reused
+
+
+def test_an_unloaded_adapter_stays_loadable_for_the_grace_period(runner, adapters, monkeypatch):
+    """A request placed before the scheduler learned of the unload runs (not advertised any more);
+    past ``UNLOAD_GRACE_S`` it is refused."""
+    lora = runner.lora
+    assert runner.set_runtime_loras({"late": adapters["b"]}) == ["late"]
+    assert runner.set_runtime_loras({}) == []  # unloaded before any sequence needed it
+    loads = lora.num_loads
+    lora.slot("late", set)
+    assert lora.num_loads == loads + 1
+    assert runner.set_runtime_loras({"a": adapters["a"]}) == ["a"]
+    lora.slot("a", set)  # takes the only slot back
+    monkeypatch.setattr(lora_manager, "UNLOAD_GRACE_S", 0.0)
+    with pytest.raises(InvalidRequestError, match="'late'"):
+        lora.slot("late", set)
 
 
 def test_a_reload_under_the_same_name_takes_the_new_weights(runner, adapters):
