@@ -7,7 +7,9 @@ longest queue delay exceeds the shortest by ``balance_threshold`` seconds, seque
 first worker to the second, those with the most tokens left to generate first (the ones its clients
 would wait for longest), each only when the move lowers the sum of the two workers' finish times
 (what the clients wait in all): not onto a worker where it, or those already there, would finish
-later than they gain. A sequence that asked for prompt logprobs, or does not fit the destination
+later than they gain. The round goes ahead only when that sum drops by more than the round costs:
+every sequence of the source waits about two passes while it runs (``Load.stall_seconds``), so two
+equal workers whose delays differ for a moment do not trade sequences back and forth. A sequence that asked for prompt logprobs, or does not fit the destination
 (blocks for all its tokens above the watermark, ``max_num_seqs``, the adapter slots), stays.
 
 A worker with no measured pass yet (one that just joined) is estimated with another's line; when
@@ -53,6 +55,13 @@ class Load:
         s = self.slot
         return finish_times(s.step_time, self.fallback, s.token_budget, self.prompt, self.outputs)
 
+    def stall_seconds(self) -> float:
+        """What a round of moves costs this (source) worker's sequences in all: each waits about two
+        passes (its plans in flight are answered, then the K/V is sent, before it is planned again)."""
+        model = self.slot.step_time if self.slot.step_time.seconds(1) is not None else self.fallback
+        n = len(self.slot.running)
+        return 0.0 if model is None or not n else n * 2 * model.seconds(n)
+
     def delay(self) -> float:
         """The queue delay: seconds until its last sequence finishes (0.0 with none)."""
         return max(self.finishes(), default=0.0)
@@ -81,7 +90,7 @@ def plan_rebalance(config: EngineConfig, slots: list[WorkerSlot]) -> tuple[Worke
     dst = loads[min(delay, key=delay.get)]
     if delay[src.slot.name] - delay[dst.slot.name] <= config.balance_threshold:
         return None
-    waited = sum(src.finishes()) + sum(dst.finishes())
+    waited = before = sum(src.finishes()) + sum(dst.finishes())
     moves: dict[int, str] = {}
     room = config.max_num_seqs - len(dst.slot.running)
     by_left = sorted(src.slot.running, key=lambda s: -outputs_left(s, src.slot.max_model_len))
@@ -102,6 +111,8 @@ def plan_rebalance(config: EngineConfig, slots: list[WorkerSlot]) -> tuple[Worke
         else:  # no gain: put it back
             src.moved(seq, +1)
             dst.moved(seq, -1)
+    if moves and before - waited <= src.stall_seconds():
+        moves = {}  # the round would cost its sequences more than it gains them
     if not moves and dst.slot.step_time.seconds(1) is None:  # a worker never measured (one that joined):
         probe = next((q for q in by_left if q.params.prompt_logprobs is None and _fits(config, dst, q)), None)
         if probe is not None and room > 0:  # one sequence teaches the scheduler its speed

@@ -138,3 +138,12 @@ def test_a_worker_never_measured_gets_one_sequence_to_learn_its_speed():
     assert source is busy and moves == {longest.seq_id: "joined"}
     measured = _slot("measured", _model(0.3, 0.0), [])
     assert plan_rebalance(config, [busy, measured]) is None
+
+
+def test_a_round_that_gains_less_than_it_stalls_the_source_is_not_made():
+    """Two equal workers whose pass time hardly grows with the batch: the delays differ, a move
+    gains a little, but the source's sequences would each wait two passes for the round."""
+    config = EngineConfig(token_budget=32, block_size=BS, migration="balance", balance_threshold=1.0)
+    a = _slot("a", _model(0.1, 0.0001), [60, 10, 10, 10, 10, 10])
+    b = _slot("b", _model(0.1, 0.0001), [10])
+    assert plan_rebalance(config, [a, b]) is None
