@@ -8,9 +8,10 @@
 // value j (low nibble) and value 16 + j (high nibble); 8-bit rows of K bytes. K and G are multiples
 // of 32.
 //
-// quant_gemv: output features in parallel (at::parallel_for). Each weight row is dequantized once,
-// 16 lanes at a time, into an fp32 row buffer (K floats: L1/L2-resident), then dotted with the rows
-// of x four at a time (four 16-lane accumulators share each load of the buffer). The weight is read
+// quant_gemv: output features in parallel (at::parallel_for). Up to 4 rows of x, each weight block
+// is dequantized in registers and dotted with every row at once; more rows: each weight row is
+// dequantized once, 16 lanes at a time, into an fp32 row buffer (K floats: L1/L2-resident), then
+// dotted with the rows of x four at a time (four 16-lane accumulators share each load of the buffer). The weight is read
 // once per call whatever M is, so a decode pass moves the packed bytes, not an fp32 copy; the row's
 // dequantized values equal the reference's (q * scale + offset in fp32).
 
@@ -54,26 +55,52 @@ inline float hsum(v16 v) {
   return s;
 }
 
+// Block blk (32 values) of a weight row as two 16-lane halves, widened from its packed bytes wr.
+inline void widen_block(const uint8_t* wr, int64_t blk, int64_t bits, v16& lo, v16& hi) {
+  if (bits <= 4) {
+    v16b b;
+    std::memcpy(&b, wr + blk * 16, sizeof b);
+    lo = to_float(b & 15);
+    hi = to_float(b >> 4);
+  } else {
+    lo = widen(wr + blk * 32);
+    hi = widen(wr + blk * 32 + 16);
+  }
+}
+
 // Row n of W (its packed bytes wr, its scales s and offsets o per group) into out[K], fp32.
 inline void dequant_row(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
                         int64_t bits, float* out) {
   const int64_t blocks_per_group = group / 32;
-  for (int64_t blk = 0; blk < K / 32; ++blk) {
-    const int64_t g = blk / blocks_per_group;
+  for (int64_t g = 0; g < K / group; ++g) {
     const v16 sv = v16{} + s[g], ov = v16{} + o[g];
-    v16 lo, hi;
-    if (bits <= 4) {
-      v16b b;
-      std::memcpy(&b, wr + blk * 16, sizeof b);
-      lo = to_float(b & 15);
-      hi = to_float(b >> 4);
-    } else {
-      lo = widen(wr + blk * 32);
-      hi = widen(wr + blk * 32 + 16);
+    for (int64_t blk = g * blocks_per_group; blk < (g + 1) * blocks_per_group; ++blk) {
+      v16 lo, hi;
+      widen_block(wr, blk, bits, lo, hi);
+      store(out + blk * 32, lo * sv + ov);
+      store(out + blk * 32 + 16, hi * sv + ov);
     }
-    store(out + blk * 32, lo * sv + ov);
-    store(out + blk * 32 + 16, hi * sv + ov);
   }
+}
+
+// y[t * N] = x[t] . W[n] for the T rows of x at X (rows K apart), dequantizing W[n] block by block in
+// registers (no row buffer): for passes of at most 4 rows, where the buffer's store and reload cost
+// more than widening.
+template <int T>
+inline void fused_row(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
+                      int64_t bits, const float* X, float* y, int64_t N) {
+  v16 acc[T] = {};
+  const int64_t blocks_per_group = group / 32;
+  for (int64_t g = 0; g < K / group; ++g) {
+    const v16 sv = v16{} + s[g], ov = v16{} + o[g];
+    for (int64_t blk = g * blocks_per_group; blk < (g + 1) * blocks_per_group; ++blk) {
+      v16 lo, hi;
+      widen_block(wr, blk, bits, lo, hi);
+      const v16 wl = lo * sv + ov, wh = hi * sv + ov;
+      for (int t = 0; t < T; ++t) acc[t] += load(X + t * K + blk * 32) * wl + load(X + t * K + blk * 32 + 16) * wh;
+    }
+  }
+  for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
 }
 
 // y[m * N] = x[m] . w for the T rows of x starting at X (rows K apart), K a multiple of 16.
@@ -109,6 +136,21 @@ void quant_gemv(at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const a
   const float* S = scale.data_ptr<float>();
   const float* O = offset.data_ptr<float>();
   float* Y = y.data_ptr<float>();
+  if (M == 0) return;
+  if (M <= 4) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wr = W + n * row_bytes;
+        switch (M) {
+          case 4: fused_row<4>(wr, S + n * G, O + n * G, K, group, bits, X, Y + n, N); break;
+          case 3: fused_row<3>(wr, S + n * G, O + n * G, K, group, bits, X, Y + n, N); break;
+          case 2: fused_row<2>(wr, S + n * G, O + n * G, K, group, bits, X, Y + n, N); break;
+          default: fused_row<1>(wr, S + n * G, O + n * G, K, group, bits, X, Y + n, N); break;
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> row(K);
     for (int64_t n = n0; n < n1; ++n) {
