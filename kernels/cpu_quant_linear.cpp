@@ -39,15 +39,20 @@ inline v16 load(const float* p) {
 
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
-// uint8 -> float through int32: GCC 12 scalarises a direct uint8 -> float conversion (16 scalar
-// converts), while uint8 -> int32 -> float is one zero-extension and one conversion per register.
-inline v16 to_float(v16b b) { return __builtin_convertvector(__builtin_convertvector(b, v16i), v16); }
-
-inline v16 widen(const uint8_t* p) {
-  v16b b;
-  std::memcpy(&b, p, sizeof b);
-  return to_float(b);
+// uint8 -> float through uint16 and int32: GCC 12 scalarises a direct uint8 -> float conversion (16
+// scalar converts), and uint8 -> int32 too for bytes straight from memory (16 byte inserts); each
+// step here is one zero-extension per register (checked in the assembly, both bit widths).
+typedef uint16_t v16s __attribute__((vector_size(32)));
+inline v16 to_float(v16b b) {
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, v16s), v16i), v16);
 }
+
+// 16 bytes at p, read as one vector (an unaligned vector type: a memcpy into v16b went through
+// general registers byte by byte in the 8-bit path).
+typedef uint8_t v16b_unaligned __attribute__((vector_size(16), aligned(1), may_alias));
+inline v16b load_bytes(const uint8_t* p) { return *reinterpret_cast<const v16b_unaligned*>(p); }
+
+inline v16 widen(const uint8_t* p) { return to_float(load_bytes(p)); }
 
 inline float hsum(v16 v) {
   float s = 0.0f;
@@ -58,8 +63,7 @@ inline float hsum(v16 v) {
 // Block blk (32 values) of a weight row as two 16-lane halves, widened from its packed bytes wr.
 inline void widen_block(const uint8_t* wr, int64_t blk, int64_t bits, v16& lo, v16& hi) {
   if (bits <= 4) {
-    v16b b;
-    std::memcpy(&b, wr + blk * 16, sizeof b);
+    const v16b b = load_bytes(wr + blk * 16);
     lo = to_float(b & 15);
     hi = to_float(b >> 4);
   } else {
