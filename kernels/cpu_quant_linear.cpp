@@ -60,31 +60,37 @@ inline float hsum(v16 v) {
   return s;
 }
 
-// Block blk (32 values) of a weight row as two 16-lane halves, widened from its packed bytes wr.
-inline void widen_block(const uint8_t* wr, int64_t blk, int64_t bits, v16& lo, v16& hi) {
-  if (bits <= 4) {
-    const v16b b = load_bytes(wr + blk * 16);
-    lo = to_float(b & 15);
-    hi = to_float(b >> 4);
-  } else {
-    lo = widen(wr + blk * 32);
-    hi = widen(wr + blk * 32 + 16);
-  }
-}
-
-// Row n of W (its packed bytes wr, its scales s and offsets o per group) into out[K], fp32.
-inline void dequant_row(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
-                        int64_t bits, float* out) {
+// Row n of W (its packed bytes wr, its scales s and offsets o per group), dequantized 32 values at
+// a time: f(blk, lo, hi) gets block blk's values 32 blk .. 32 blk + 15 (lo) and the next 16 (hi),
+// q * scale + offset in fp32.
+template <class F>
+inline void for_each_block(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
+                           int64_t bits, F&& f) {
   const int64_t blocks_per_group = group / 32;
   for (int64_t g = 0; g < K / group; ++g) {
     const v16 sv = v16{} + s[g], ov = v16{} + o[g];
     for (int64_t blk = g * blocks_per_group; blk < (g + 1) * blocks_per_group; ++blk) {
       v16 lo, hi;
-      widen_block(wr, blk, bits, lo, hi);
-      store(out + blk * 32, lo * sv + ov);
-      store(out + blk * 32 + 16, hi * sv + ov);
+      if (bits <= 4) {
+        const v16b b = load_bytes(wr + blk * 16);
+        lo = to_float(b & 15);
+        hi = to_float(b >> 4);
+      } else {
+        lo = widen(wr + blk * 32);
+        hi = widen(wr + blk * 32 + 16);
+      }
+      f(blk, lo * sv + ov, hi * sv + ov);
     }
   }
+}
+
+// Row n of W into out[K], fp32.
+inline void dequant_row(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
+                        int64_t bits, float* out) {
+  for_each_block(wr, s, o, K, group, bits, [&](int64_t blk, v16 lo, v16 hi) {
+    store(out + blk * 32, lo);
+    store(out + blk * 32 + 16, hi);
+  });
 }
 
 // y[t * N] = x[t] . W[n] for the T rows of x at X (rows K apart), dequantizing W[n] block by block in
@@ -94,16 +100,9 @@ template <int T>
 inline void fused_row(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
                       int64_t bits, const float* X, float* y, int64_t N) {
   v16 acc[T] = {};
-  const int64_t blocks_per_group = group / 32;
-  for (int64_t g = 0; g < K / group; ++g) {
-    const v16 sv = v16{} + s[g], ov = v16{} + o[g];
-    for (int64_t blk = g * blocks_per_group; blk < (g + 1) * blocks_per_group; ++blk) {
-      v16 lo, hi;
-      widen_block(wr, blk, bits, lo, hi);
-      const v16 wl = lo * sv + ov, wh = hi * sv + ov;
-      for (int t = 0; t < T; ++t) acc[t] += load(X + t * K + blk * 32) * wl + load(X + t * K + blk * 32 + 16) * wh;
-    }
-  }
+  for_each_block(wr, s, o, K, group, bits, [&](int64_t blk, v16 lo, v16 hi) {
+    for (int t = 0; t < T; ++t) acc[t] += load(X + t * K + blk * 32) * lo + load(X + t * K + blk * 32 + 16) * hi;
+  });
   for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
 }
 
