@@ -157,6 +157,7 @@ class Bench:
             simulate_slowdown=str(args.slowdown),
             log_level="WARNING",
             decode_passes=args.decode_passes,
+            migration=args.migration,
         )
         self.stack: Stack | None = None
         self.base = ""
@@ -394,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--decode-passes", type=int, default=1, help="the scheduler's --decode-passes K (default: 1)"
     )
+    ap.add_argument("--migration", default="drain", help="the scheduler's --migration (default: drain)")
     ap.add_argument("--out", default=None, help="JSON lines (default results/scale_out[_quick].jsonl)")
     a = ap.parse_args(argv)
     a.warmup = a.warmup if a.warmup is not None else (3.0 if a.quick else 5.0)

@@ -87,7 +87,9 @@ class Client:
     """Talks to a gateway over HTTP. ``url``: its base URL, with or without the OpenAI-style ``/v1``;
     ``timeout``: seconds per request; ``model``: the served name to ask for (default: the first of
     ``/v1/models``); ``api_key``: sent as ``Authorization: Bearer`` (default: ``$FUSESERVE_API_KEY``;
-    a gateway without keys ignores it). A refused key raises ``InvalidRequestError`` with
+    a gateway without keys ignores it); ``lora``: the LoRA adapter every call runs with (None: the
+    base model), sent as the request's ``model`` as the OpenAI API does; a call's own ``lora=``
+    overrides it (the pipeline's keyword). A refused key raises ``InvalidRequestError`` with
     ``http_status`` 401."""
 
     def __init__(
@@ -96,12 +98,14 @@ class Client:
         timeout: float = 600.0,
         model: str | None = None,
         api_key: str | None = None,
+        lora: str | None = None,
     ):
         self.url = url.rstrip("/").removesuffix("/v1")
         api_key = api_key or os.environ.get(API_KEY_ENV)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
         self._model = model
+        self.lora = lora
 
     # ------------------------------------------------------------------ public API
     @property
@@ -120,8 +124,11 @@ class Client:
         scheduler (message ends with "no_worker" / "no_scheduler") or cannot reach Redis."""
         return self._request("GET", "/health")
 
-    def generate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[Response]:
-        """One ``Response`` per prompt (text or token ids), in order, as ``Pipeline.__call__``.
+    def generate(
+        self, prompts: Prompt | list[Prompt], lora: str | list[str | None] | None = None, **sampling: Any
+    ) -> list[Response]:
+        """One ``Response`` per prompt (text or token ids), in order, as ``Pipeline.__call__``;
+        ``lora``: the adapter of every prompt or one per prompt (None: the client's).
 
         Raises ``InvalidParameterError`` / ``InvalidRequestError`` for bad keywords before sending,
         and the gateway's errors typed (see the module docstring).
@@ -129,27 +136,38 @@ class Client:
         batch = as_batch(prompts)  # the pipeline's rules: [] is an empty prompt (an error)
         params = SamplingParams.from_kwargs(**sampling)
         uniform = all(isinstance(p, str) for p in batch) or all(is_token_ids(p) for p in batch)
-        groups = [batch] if uniform else [[p] for p in batch]
+        loras = list(lora) if isinstance(lora, list | tuple) else [lora] * len(batch)
+        if len(loras) != len(batch):
+            raise InvalidRequestError(f"lora: {len(loras)} adapters for {len(batch)} prompts", param="lora")
+        if uniform and len(set(loras)) == 1:
+            groups = [(batch, loras[0])]
+        else:
+            groups = [([p], a) for p, a in zip(batch, loras, strict=True)]
         out: list[Response] = []
-        for group in groups:
-            body = {"model": self.model, "prompt": group, **_body(params, chat=False)}
+        for group, adapter in groups:
+            body = {"model": self._model_for(adapter), "prompt": group, **_body(params, chat=False)}
             answer = self._request("POST", "/v1/completions", body)
             out.extend(self._response(c, c.get("text", "")) for c in answer["choices"])
         return out
 
-    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[str]:
-        """Yield text deltas as they arrive; joined, they equal ``generate(prompt)[0].text``."""
+    def stream(self, prompt: Prompt, lora: str | None = None, **sampling: Any) -> Iterator[str]:
+        """Yield text deltas as they arrive; joined, they equal ``generate(prompt, lora)[0].text``."""
         params = SamplingParams.from_kwargs(**sampling)
-        body = {"model": self.model, "prompt": prompt, "stream": True, **_body(params, chat=False)}
+        body = {"model": self._model_for(lora), "prompt": prompt, "stream": True, **_body(params, chat=False)}
         return self._stream("/v1/completions", body)
 
-    def chat(self, messages: list[dict], **sampling: Any) -> Response:
-        """Apply the model's chat template on the gateway and generate one response."""
+    def chat(self, messages: list[dict], lora: str | None = None, **sampling: Any) -> Response:
+        """Apply the model's chat template on the gateway and generate one response (``lora``: as
+        ``generate``'s)."""
         params = SamplingParams.from_kwargs(**sampling)
-        body = {"model": self.model, "messages": messages, **_body(params, chat=True)}
+        body = {"model": self._model_for(lora), "messages": messages, **_body(params, chat=True)}
         answer = self._request("POST", "/v1/chat/completions", body)
         choice = answer["choices"][0]
         return self._response(choice, choice["message"].get("content") or "")
+
+    def _model_for(self, lora: str | None) -> str:
+        """The ``model`` of a request run with adapter ``lora`` (None: the client's, else the base)."""
+        return lora or self.lora or self.model
 
     def close(self) -> None:
         self._http.close()

@@ -30,7 +30,7 @@ instead of dequantizing them to float32. A Hugging Face checkpoint's own ``quant
 
 # KV cache storage: auto = the model's dtype; fp8 = e4m3 with per-tensor scales (kernels/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8")
-MIGRATIONS = ("drain", "off")  # KV migration (services/scheduler/migration.py)
+MIGRATIONS = ("drain", "balance", "off")  # KV migration (services/scheduler/migration.py)
 _ALL = ("generate", "serve", "scheduler", "worker")
 _RUNNER = ("generate", "serve", "worker")  # the model runner's options
 _PLANNER = ("generate", "serve", "scheduler")  # the scheduler's alone
@@ -64,7 +64,12 @@ class EngineConfig:
     overlap: build and send each worker's next plan while its current pass runs (at most one plan
         queued per worker); False runs one plan at a time per worker.
     migration: "drain" moves a draining worker's decoding sequences to other workers with their K/V
-        (``services/scheduler/migration.py``); "off" lets them finish there.
+        (``services/scheduler/migration.py``); "balance" does that and also moves sequences from a
+        worker whose queue delay exceeds another's by ``balance_threshold`` seconds; "off" lets them
+        finish where they run.
+    balance_threshold: with ``migration="balance"``, the seconds by which one worker's expected time
+        to finish its sequences (``placement.drain_seconds``) must exceed another's before sequences
+        move from the first to the second.
     enable_prefix_caching: reuse the K/V of full blocks already computed for an equal prefix
         (``services/scheduler/block_accounting.py``); keyword ``prefix_caching``, flag
         ``--no-prefix-caching``.
@@ -84,6 +89,9 @@ class EngineConfig:
     lora_aware_placement: among the workers loaded near the least, place a LoRA request on one whose
         running sequences use its adapter (``WaitingQueue.place``: no adapter load); False: blind to
         residency (``benchmarks/lora_placement.py`` compares the two). Flag ``--no-lora-aware-placement``.
+    allow_runtime_lora: adapters may be loaded and unloaded while serving (the gateway's
+        ``/v1/load_lora_adapter``, ``pipeline.load_lora``); workers then wrap the model for adapters
+        even without ``lora_modules``. One rank per worker (``tensor_parallel_size`` 1).
     """
 
     token_budget: int | None = option(
@@ -168,9 +176,18 @@ class EngineConfig:
     migration: str = option(
         "drain",
         "KV migration: 'drain' moves a draining worker's decoding sequences, with their KV cache, to "
-        "other workers instead of letting them finish there; 'off' (default: %(default)s)",
+        "other workers instead of letting them finish there; 'balance' also moves sequences off a "
+        "worker whose queue delay exceeds another's by --balance-threshold; 'off' (default: %(default)s)",
         commands=_STACK,
         choices=MIGRATIONS,
+    )
+    balance_threshold: float = option(
+        1.0,
+        "with --migration balance: seconds by which one worker's expected time to finish its "
+        "sequences must exceed another's before sequences move (default: %(default)s)",
+        commands=_STACK,
+        type=float,
+        metavar="SECONDS",
     )
     enable_prefix_caching: bool = option(
         True,
@@ -219,7 +236,16 @@ class EngineConfig:
         commands=_ALL,
     )
     max_lora_rank: int = option(
-        16, "largest LoRA rank served; a higher one is refused (default: %(default)s)", commands=_RUNNER
+        16,
+        "largest LoRA rank served; a higher one is refused (default: %(default)s)",
+        commands=(*_RUNNER, "gateway"),
+    )
+    allow_runtime_lora: bool = option(
+        False,
+        "allow loading and unloading LoRA adapters at runtime: POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; off: they answer 404)",
+        commands=("serve", "worker", "gateway"),
+        help_for={"worker": "serve the adapters loaded at runtime (POST /v1/load_lora_adapter)"},
     )
     lora_aware_placement: bool = option(
         True,
@@ -275,6 +301,8 @@ class EngineConfig:
             raise InvalidParameterError("policy", self.policy, ", ".join(POLICIES))
         if self.migration not in MIGRATIONS:
             raise InvalidParameterError("migration", self.migration, ", ".join(MIGRATIONS))
+        if not self.balance_threshold >= 0:
+            raise InvalidParameterError("balance_threshold", self.balance_threshold, "seconds >= 0")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidParameterError(
                 "attention_backend", self.attention_backend, ", ".join(ATTENTION_BACKENDS)
@@ -288,6 +316,8 @@ class EngineConfig:
         if self.max_preemptions < 0:
             raise InvalidParameterError("max_preemptions", self.max_preemptions, ">= 0")
         self.lora_paths()
+        if self.allow_runtime_lora and self.tensor_parallel_size > 1:
+            raise InvalidParameterError("allow_runtime_lora", True, "tensor_parallel_size 1")
         for name in ("decode_passes", "tensor_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

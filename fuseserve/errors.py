@@ -146,3 +146,38 @@ class LoRAAdapterError(InvalidRequestError):
     def __init__(self, name: str, message: str):
         super().__init__(f"LoRA adapter {name!r}: {message}", param="lora_modules")
         self.name = name
+
+
+class LoRAAdapterNotFoundError(InvalidRequestError):
+    """No LoRA adapter of that name is loaded (``/v1/unload_lora_adapter``, ``unload_lora``)."""
+
+    http_status = 404
+
+    def __init__(self, name: str, loaded: list[str]):
+        super().__init__(
+            f"LoRA adapter {name!r} is not loaded; loaded: {loaded or 'none'}", param="lora_name"
+        )
+
+
+class LoRAAdapterInUseError(InvalidRequestError):
+    """A LoRA adapter with running or waiting requests cannot be unloaded."""
+
+    http_status = 409
+
+    def __init__(self, name: str):
+        super().__init__(
+            f"LoRA adapter {name!r} has running or waiting requests; unload it once they finish",
+            param="lora_name",
+        )
+
+
+class RuntimeLoRADisabledError(InvalidRequestError):
+    """Loading and unloading LoRA adapters at runtime is off (``allow_runtime_lora``)."""
+
+    http_status = 404
+
+    def __init__(self):
+        super().__init__(
+            "loading LoRA adapters at runtime is off: start the gateway and the workers with "
+            "--allow-runtime-lora (fuseserve serve --allow-runtime-lora; pipeline: allow_runtime_lora=True)"
+        )

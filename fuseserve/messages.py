@@ -78,6 +78,9 @@ SCHEDULER_TTL_S = 5  # seconds the gateways' heartbeat key lives without a refre
 SCHEDULER_GRACE_S = 30.0  # seconds without a scheduler before in-flight requests fail
 NO_WORKER_GRACE_S = 30.0  # seconds a sequence may wait with no live worker before it fails
 WORKER_PREFIX = f"{PREFIX}:worker:"
+#: hash: LoRA adapter name → PEFT directory, the adapters loaded at runtime (``POST
+#: /v1/load_lora_adapter``); gateways and workers read it, workers advertise the ones they serve
+RUNTIME_LORA = f"{PREFIX}:lora:runtime"
 WORKER_TTL_S = 6  # seconds a worker record lives without a heartbeat
 HEARTBEAT_S = 2  # seconds between a worker's heartbeats
 #: seconds a scheduler's worker leases and liveness key live without a renewal (the default; chosen
@@ -165,9 +168,13 @@ def merge_scheduler_stats(raws: list, now: float) -> dict:
     """The engine's stats from the schedulers' own records (JSON strings; None or unparsable ones and
     those older than ``SCHEDULER_STATS_MAX_AGE_S`` at epoch ``now`` are skipped).
 
-    Returns ``{"waiting", "running", "time", "workers", "schedulers"}``: counts summed over the
-    schedulers, their worker maps merged (each worker is driven by one scheduler), ``time`` the newest
-    record's, ``schedulers`` how many records were merged; ``{}`` when there is none.
+    Returns ``{"waiting", "running", "time", "workers", "schedulers", "lora_in_use", "lora_served"}``:
+    counts summed over the schedulers, their worker maps merged (each worker is driven by one
+    scheduler), ``time`` the newest record's, ``schedulers`` how many records were merged,
+    ``lora_in_use`` the LoRA adapters of sequences running or waiting in any scheduler (a set),
+    ``lora_served`` the adapters every scheduler driving workers can place (a set: a request for one
+    is served whichever scheduler reads it; None: no scheduler drives a worker, its record's
+    ``lora_served`` is null); ``{}`` when there is no record.
     """
     out: dict = {}
     for raw in raws:
@@ -180,11 +187,16 @@ def merge_scheduler_stats(raws: list, now: float) -> dict:
             continue
         if not out:
             out = {"waiting": 0, "running": 0, "time": 0.0, "workers": {}, "schedulers": 0}
+            out |= {"lora_in_use": set(), "lora_served": None}
         out["waiting"] += int(rec.get("waiting", 0))
         out["running"] += int(rec.get("running", 0))
         out["time"] = max(out["time"], float(rec["time"]))
         out["workers"].update(rec.get("workers", {}))
         out["schedulers"] += 1
+        out["lora_in_use"].update(rec.get("lora_in_use", ()))
+        if rec.get("lora_served") is not None:  # a scheduler that drives workers
+            served = set(rec["lora_served"])
+            out["lora_served"] = served if out["lora_served"] is None else out["lora_served"] & served
     return out
 
 

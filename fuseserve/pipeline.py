@@ -19,7 +19,7 @@ import threading
 import types
 from collections.abc import Iterator
 
-from fuseserve import exit_hook
+from fuseserve import exit_hook, pipeline_lora
 from fuseserve.config import DEFAULT_MODEL, EngineConfig
 from fuseserve.errors import FuseServeError
 from fuseserve.frontend import Delta, OutputState, PromptEncoder, as_batch
@@ -124,6 +124,7 @@ class Pipeline:
             latency_prior=latency_prior,
         )
         self._ids = itertools.count()
+        self.runtime_loras: dict[str, str] = {}  # adapters of load_lora, name → path
         self._requests: dict[int, _Request] = {}
         self._commands: list[tuple[str, object]] = []
         self._cv = threading.Condition()
@@ -185,6 +186,20 @@ class Pipeline:
     def lora_names(self) -> list[str]:
         """The LoRA adapters this pipeline serves (``lora_modules``' names)."""
         return list(self.config.lora_paths())
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve a PEFT LoRA adapter from now on (``allow_runtime_lora``; ``pipeline_lora.load_lora``)."""
+        pipeline_lora.load_lora(self, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter of ``load_lora`` (``pipeline_lora.unload_lora``)."""
+        pipeline_lora.unload_lora(self, name)
+
+    def loras_in_flight(self) -> set[str]:
+        """The LoRA adapters of the requests not finished yet (added, or waiting to be)."""
+        with self._cv:
+            reqs = [*self._requests.values(), *(p for k, p in self._commands if k == "add")]
+        return {r.lora for r in reqs if r.lora is not None}
 
     def _params(self, kwargs: dict) -> SamplingParams:
         """Validated params: ``kwargs`` over the model's ``generation_config.json`` defaults."""

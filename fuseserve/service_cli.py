@@ -129,6 +129,11 @@ def _scheduler_parser(sub) -> None:
     c.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: a free one)"
     )
+    c.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host name or address fuseserve top reaches the metrics at (default: this host's name)",
+    )
     c.set_defaults(func=_scheduler)
 
 

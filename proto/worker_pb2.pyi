@@ -242,12 +242,14 @@ class HealthResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., num_free_blocks: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., num_fenced: _Optional[int] = ..., fence: _Optional[int] = ..., num_lora_loads: _Optional[int] = ...) -> None: ...
 
 class SeqMove(_message.Message):
-    __slots__ = ("seq_id", "dest_block_ids")
+    __slots__ = ("seq_id", "dest_block_ids", "num_shared_blocks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_shared_blocks: int
+    def __init__(self, seq_id: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_shared_blocks: _Optional[int] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
     __slots__ = ("fence", "dest_address", "dest_fence", "moves")
@@ -276,7 +278,7 @@ class MigrateResponse(_message.Message):
     def __init__(self, moved_seq_ids: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., fenced: _Optional[bool] = ...) -> None: ...
 
 class SeqState(_message.Message):
-    __slots__ = ("seq_id", "num_computed", "last_token", "prompt_len", "prompt_token_ids", "output_token_ids", "params", "block_ids", "kv_dtype", "runner_state", "lora_name")
+    __slots__ = ("seq_id", "num_computed", "last_token", "prompt_len", "prompt_token_ids", "output_token_ids", "params", "block_ids", "kv_dtype", "runner_state", "lora_name", "num_shared_blocks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +290,7 @@ class SeqState(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RUNNER_STATE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_computed: int
     last_token: int
@@ -299,7 +302,8 @@ class SeqState(_message.Message):
     kv_dtype: str
     runner_state: bytes
     lora_name: str
-    def __init__(self, seq_id: _Optional[int] = ..., num_computed: _Optional[int] = ..., last_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., runner_state: _Optional[bytes] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    num_shared_blocks: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed: _Optional[int] = ..., last_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., runner_state: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., num_shared_blocks: _Optional[int] = ...) -> None: ...
 
 class KVPart(_message.Message):
     __slots__ = ("fence", "state", "seq_id", "layer", "k", "v", "last")

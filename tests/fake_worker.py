@@ -226,3 +226,54 @@ class FakeWorker:
         if tok == EOS and (num_out < p.min_new_tokens or p.ignore_eos):
             tok = 1 + zlib.crc32(str(len(seq.tokens)).encode()) % (self.vocab_size - 1)
         return tok
+
+
+class MovingWorker(FakeWorker):
+    """A fake worker with ``migrate`` (``services/scheduler/migration.py``): copies each sequence's
+    tokens and written slots into the first of the destination's given blocks, which become its table,
+    and drops it here. ``hold``: keep the answer until ``release()`` (a move in flight)."""
+
+    def __init__(self, *a, pass_seconds: tuple[float, float] | None = None, **kw):
+        super().__init__(*a, **kw)
+        self.pass_seconds = pass_seconds  # (a, b): report a + b x tokens seconds per pass
+        self.hold = False
+        self.fail = False
+        self.blocks_sent = 0  # blocks whose K/V ``migrate`` copied (shared ones are not)
+        self._held = []
+
+    def step(self, plan: StepPlan) -> StepResult:
+        result = super().step(plan)
+        if self.pass_seconds is not None:
+            a, b = self.pass_seconds
+            result.forward_seconds = a + b * plan.num_tokens
+        return result
+
+    def migrate(self, dest: MovingWorker, moves, on_done) -> None:
+        from fuseserve.scheduler.migration import MigrationResult
+
+        moved, sent = [], 0
+        if not self.fail:
+            for seq_id, block_ids, shared in moves:
+                seq = self.seqs.pop(seq_id)
+                written = -(-len(seq.tokens) // self.block_size)  # the blocks holding its K/V
+                for i, b in enumerate(seq.table[:written]):
+                    if i < shared:  # the destination's cached block: it must hold the same K/V
+                        if dest.slots.get(block_ids[i]) != self.slots[b]:
+                            raise PlanError(f"seq {seq_id}: shared block {block_ids[i]} holds other K/V")
+                        continue
+                    dest.slots[block_ids[i]] = list(self.slots[b])
+                    sent += 1
+                seq.table = list(block_ids)
+                dest.seqs[seq_id] = seq
+                moved.append(seq_id)
+        self.blocks_sent += sent
+        result = MigrationResult(moved, num_bytes=100 * sent, seconds=0.01)
+        if self.hold:
+            self._held.append((on_done, result))
+        else:
+            on_done(result)
+
+    def release(self) -> None:
+        for on_done, result in self._held:
+            on_done(result)
+        self._held = []

@@ -37,11 +37,23 @@ def local_stack(
         yield server.stack, server.url
 
 
+RECOVERY = {"token_budget": 32, "kv_cache_memory": "64MiB", "dtype": "float32"}
+"""``recovery_stack``'s settings: fp32, a small budget and KV pool."""
+
+
 def recovery_stack(**kwargs):
     """``local_stack`` in fp32 with a small budget and KV pool, for tests that kill or drain a worker
     or a scheduler: a recompute or a takeover must reproduce greedy tokens exactly (bf16 matmuls may
     round differently for another batch shape). ``kwargs`` go to ``local_stack`` (``schedulers=2``)."""
-    return local_stack(token_budget=32, kv_cache_memory="64MiB", dtype="float32", **kwargs)
+    return local_stack(**RECOVERY, **kwargs)
+
+
+def recovery_pipeline(source, **kwargs):
+    """``fuseserve.pipeline`` on ``source`` (a ``ModelSource``) with ``recovery_stack``'s settings: the
+    output a recovery stack must give. ``kwargs``: more pipeline keywords (``lora_modules``, ...)."""
+    import fuseserve
+
+    return fuseserve.pipeline(str(source.path), progress=False, **RECOVERY, **kwargs)
 
 
 def openai_client(base: str, **kwargs):
@@ -52,12 +64,14 @@ def openai_client(base: str, **kwargs):
     return openai.OpenAI(base_url=f"{base}/v1", timeout=300, **kwargs)
 
 
-def ask_streamed(client, prompt: str, max_tokens: int, progress: list | None = None) -> tuple[str, int]:
-    """Stream one greedy completion of ``max_tokens`` tokens (EOS ignored); returns its text and the
-    completion tokens counted by the usage chunk. ``progress``: a list each text chunk appends its
-    arrival time to (``time.monotonic``)."""
+def ask_streamed(
+    client, prompt: str, max_tokens: int, progress: list | None = None, model: str = MODEL
+) -> tuple[str, int]:
+    """Stream one greedy completion of ``max_tokens`` tokens (EOS ignored) from ``model`` (a LoRA
+    adapter's name, say); returns its text and the completion tokens counted by the usage chunk.
+    ``progress``: a list each text chunk appends its arrival time to (``time.monotonic``)."""
     stream = client.completions.create(
-        model=MODEL,
+        model=model,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
@@ -135,6 +149,32 @@ def worker_num_running(stack, worker_id: str) -> int:
 
     with grpc.insecure_channel(worker_record(stack, worker_id).address) as channel:
         return pb_grpc.WorkerStub(channel).Health(pb.HealthRequest(), timeout=10).num_running_seqs
+
+
+def busiest_worker(stack, worker_ids: list[str]) -> tuple[str, int]:
+    """``(worker id, sequences held)`` of the worker among ``worker_ids`` holding the most sequences,
+    once one holds some (placement may put every sequence on one worker: which is not fixed)."""
+
+    def busiest():
+        held = {w: worker_num_running(stack, w) for w in worker_ids}
+        name = max(held, key=held.get)
+        return (name, held[name]) if held[name] else None
+
+    return wait_for(busiest, 60, "a worker holding sequences")
+
+
+def spawn_sim_worker(stack, options, index: int, slowdown: float) -> str:
+    """Start one more simulated worker (``fuseserve worker --simulate``) in ``stack``, started from
+    ``options`` (its ``ServeOptions``), as ``worker-{index}`` with ``slowdown``; returns its id (it
+    registers on its own)."""
+    import dataclasses
+
+    from fuseserve.launcher import worker_argv
+
+    worker_id = f"worker-{index}"
+    opts = dataclasses.replace(options, simulate_slowdown=str(slowdown))
+    stack.spawn(worker_id, worker_argv(opts, stack.redis.url, index, worker_id=worker_id))
+    return worker_id
 
 
 def proc_named(stack, name: str):

@@ -77,7 +77,7 @@ class Admission:
     async def _read(self) -> Snapshot:
         now = time.monotonic()
         num_workers = len(await self._worker_keys())
-        stats_keys = [k async for k in self.redis.scan_iter(match=SCHEDULER_STATS_PATTERN, count=1000)]
+        stats_keys = await self._stats_keys()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.exists(SCHEDULER_HEARTBEAT)
             if stats_keys:
@@ -87,6 +87,17 @@ class Admission:
         stats = merge_scheduler_stats(raws[0] if raws else [], time.time())
         waiting = stats["waiting"] if stats else None
         return Snapshot(bool(alive), num_workers, waiting, now)
+
+    async def scheduler_stats(self) -> dict:
+        """``messages.merge_scheduler_stats`` of the schedulers' records, read now (not cached).
+
+        Raises ``redis.exceptions.RedisError`` when Redis fails.
+        """
+        keys = await self._stats_keys()
+        return merge_scheduler_stats(await self.redis.mget(keys) if keys else [], time.time())
+
+    async def _stats_keys(self) -> list:
+        return [k async for k in self.redis.scan_iter(match=SCHEDULER_STATS_PATTERN, count=1000)]
 
     async def worker_records(self) -> list[WorkerRecord]:
         """The live workers' records (``fuseserve:worker:*``; one that expires meanwhile is skipped).

@@ -3,14 +3,14 @@
     app = create_app(GatewaySettings(redis_url="redis://localhost:6379", model="smollm2-135m-instruct"))
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE when
-``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``,
-``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 without a live scheduler or worker, or without Redis),
-``GET /metrics`` (Prometheus). A request's ``model`` names the base model or one of its LoRA adapters
-(``served_models.py``). With API keys configured every path but ``/health`` (and ``/metrics``
-unless protected) needs one (``auth.py``); ``limits.py`` bounds what one request may cost. A
-request is validated, tokenized and checked against the context and the scheduler's queue *before*
-anything is sent; then each sequence gets a ``seq_id`` (INCR),
-is XADDed to ``REQUESTS``, and its token events come back on this gateway's response stream.
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST
+/detokenize`` (vLLM's shapes), ``POST /v1/(un)load_lora_adapter`` (``lora_admin.py``), ``GET /health``
+(503 without a live scheduler or worker, or without Redis), ``GET /metrics`` (Prometheus). A request's
+``model`` names the base model or one of its LoRA adapters (``served_models.py``). With API keys
+configured every path but ``/health`` (and ``/metrics`` unless protected) needs one (``auth.py``);
+``limits.py`` bounds what one request may cost. A request is validated, tokenized and checked against
+the context and the scheduler's queue *before* anything is sent; then each sequence gets a ``seq_id``
+(INCR), is XADDed to ``REQUESTS``, and its token events come back on this gateway's response stream.
 
 Redis connections come from a blocking pool: under a burst a request waits up to
 ``redis_pool_timeout_s`` for a free connection, then gets a 503 (never a 500), as it does while
@@ -45,6 +45,7 @@ from fuseserve.gateway.gateway_metrics import GatewayMetrics, MetricsMiddleware
 from fuseserve.gateway.generation import ClientDisconnected, Generation, SequenceState, scheduler_error
 from fuseserve.gateway.http_errors import RequestTooLargeError, error_for, install_handlers, validation_error
 from fuseserve.gateway.limits import Limiter, install_guards
+from fuseserve.gateway.lora_admin import install_lora_routes
 from fuseserve.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -76,7 +77,7 @@ class Gateway:
         names = settings.served_model_name or self.source.name
         self.model_names = [names] if isinstance(names, str) else list(names)
         self.model_name = self.model_names[0]
-        self.served = ServedModels(self.model_names, settings.lora_modules)
+        self.served = ServedModels(self.model_names, settings.lora_modules, settings.allow_runtime_lora)
         self.tokenizer = load_tokenizer(self.source, settings.tokenizer)
         self.eos_token_ids = self.source.eos_token_ids()
         self.encoder = build_encoder(
@@ -237,6 +238,7 @@ class Gateway:
         except ClientDisconnect:  # gone while uploading: nothing to answer, nothing to log loudly
             log.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
             return Response(status_code=499)
+        await self.served.refresh(self.redis, data.get("model"))
         req, ignored, lora = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
         headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         seqs = await self.sequences(req, chat)
@@ -340,16 +342,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        await gw.served.refresh(gw.redis)
         workers = await gw.live_workers()
-        return {
-            "object": "list",
-            "data": [utilities.model_card(gw, name, workers) for name in gw.served.names],
-        }
+        return {"object": "list", "data": [utilities.model_card(gw, n, workers) for n in gw.served.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
+        await gw.served.refresh(gw.redis, model_id)
         gw.check_model(model_id)
         return utilities.model_card(gw, model_id, await gw.live_workers())
+
+    install_lora_routes(app, gw)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

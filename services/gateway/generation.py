@@ -93,7 +93,7 @@ class Generation:
     async def submit(self) -> None:
         """Register the event queue, then XADD every sequence to the scheduler."""
         for s in self.seqs:
-            self.router.register(s.seq_id, self._queue)
+            self.router.register(s.seq_id, self._queue, self.lora)
         msgs = [
             RequestMessage(
                 s.seq_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from fuseserve.config import DEFAULT_MODEL, RequestLimits
+from fuseserve.config import DEFAULT_MODEL, EngineConfig, RequestLimits
 from fuseserve.gateway.auth import ApiKeys
 from fuseserve.messages import SCHEDULER_GRACE_S
 from fuseserve.model_source import ModelSource
@@ -33,7 +33,9 @@ class GatewaySettings:
     ``--quantization`` (``gguf``: a .gguf model resolves to the quantized conversion the workers load,
     not to a float32 one). lora_modules: the LoRA adapters the workers serve (``NAME=PATH`` entries or a
     dict name → path; only the names are read): a request's ``model`` NAME selects one
-    (``served_models.py``).
+    (``served_models.py``). allow_runtime_lora: serve ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` (``lora_admin.py``; off: 404). max_lora_rank: the largest rank they
+    accept (the workers' ``--max-lora-rank``).
     """
 
     redis_url: str
@@ -56,6 +58,8 @@ class GatewaySettings:
     source: ModelSource | None = None
     quantization: str | None = None
     lora_modules: list[str] | dict[str, str] | None = None
+    allow_runtime_lora: bool = False
+    max_lora_rank: int = EngineConfig.max_lora_rank
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -74,4 +78,6 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         protect_metrics=args.protect_metrics,
         quantization=args.quantization,
         lora_modules=args.lora_modules,
+        allow_runtime_lora=args.allow_runtime_lora,
+        max_lora_rank=args.max_lora_rank,
     )

@@ -82,6 +82,7 @@ class ResponseRouter:
         self.scheduler_missing_since: float | None = None  # monotonic seconds; None: heartbeat seen
         self.stream = responses_stream(gateway_id)
         self._queues: dict[int, asyncio.Queue] = {}
+        self._loras: dict[int, str] = {}  # seq_id → its LoRA adapter, while registered
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
         self._last_id = "0-0"  # the stream is new (unique gateway id): read it from the start
@@ -111,12 +112,20 @@ class ResponseRouter:
         last = int(await self.redis.incrby(SEQ_COUNTER, n))
         return list(range(last - n + 1, last + 1))
 
-    def register(self, seq_id: int, queue: asyncio.Queue) -> None:
-        """Route ``seq_id``'s events to ``queue`` (several sequences may share one queue)."""
+    def register(self, seq_id: int, queue: asyncio.Queue, lora: str | None = None) -> None:
+        """Route ``seq_id``'s events to ``queue`` (several sequences may share one queue); ``lora``:
+        its LoRA adapter (``loras_in_flight``)."""
         self._queues[seq_id] = queue
+        if lora is not None:
+            self._loras[seq_id] = lora
 
     def unregister(self, seq_id: int) -> None:
         self._queues.pop(seq_id, None)
+        self._loras.pop(seq_id, None)
+
+    def loras_in_flight(self) -> set[str]:
+        """The LoRA adapters of this gateway's sequences not finished yet."""
+        return set(self._loras.values())
 
     async def submit(self, messages: list[RequestMessage]) -> None:
         """XADD the sequences to ``REQUESTS`` (one round trip)."""
@@ -216,6 +225,7 @@ class ResponseRouter:
     def fail_all(self, error: dict) -> None:
         """Give every sequence in flight an ``error`` event (``{"message", "type", "status"}``)."""
         queues, self._queues = self._queues, {}
+        self._loras = {}
         log.warning("failing %d sequences in flight: %s", len(queues), error["message"])
         for seq_id, queue in queues.items():
             queue.put_nowait(

@@ -121,6 +121,8 @@ class SchedulerCounters:
     num_recomputed_tokens: computed tokens whose K/V was given up (a sequence preempted, moved off a
     lost or draining worker, or its plan failed) and must be computed again. num_migrated: sequences
     moved to another worker with their K/V (``migration.py``); num_migrated_bytes: the K/V bytes sent.
+    num_rebalanced: of the sequences migrated, those moved to even out the workers' queue delays
+    (``rebalance.py``), not off a draining worker.
     """
 
     num_preemptions: int = 0
@@ -131,6 +133,7 @@ class SchedulerCounters:
     num_recomputed_tokens: int = 0
     num_migrated: int = 0
     num_migrated_bytes: int = 0
+    num_rebalanced: int = 0
     migration_seconds: float = 0.0  # wall seconds of the migrations' transfers (source to destination)
 
     def add(self, other: SchedulerCounters) -> None:

@@ -19,6 +19,8 @@ is given it with each plan. A worker dropped as lost keeps its handle in ``Engin
 owner takes it to close (``take_lost``). A draining worker whose handle can ``migrate`` gets no plan:
 once none of its plans is in flight its decoding sequences move to other workers with their K/V
 (``fuseserve.scheduler.migration``); the answers come back like results and are applied in ``poll``.
+With ``migration="balance"`` each ``poll`` may also plan a rebalancing round
+(``Migrations.rebalance``), carried out the same way.
 """
 
 from __future__ import annotations
@@ -209,6 +211,7 @@ class EngineCore:
         self.last_plans = {}
         self.num_completions = 0
         self._apply_migrations()
+        self.scheduler.migrations.rebalance(time.monotonic())
         self._dispatch()
         events: list[TokenEvent] = []
         if not any(s.inflight for s in self.scheduler.slots.values()):
@@ -242,6 +245,7 @@ class EngineCore:
         self.last_plans = {}
         self.num_completions = 0
         self._apply_migrations()
+        self.scheduler.migrations.rebalance(time.monotonic())
         self._dispatch()
         want = {name for name, slot in self.scheduler.slots.items() if slot.inflight}
         events: list[TokenEvent] = []
@@ -352,7 +356,7 @@ class EngineCore:
         slots = self.scheduler.slots
         source = slots[name].handle
         for order in self.scheduler.migrations.start(name):
-            moves = [(seq.seq_id, ids) for seq, ids in order.moves]
+            moves = [(seq.seq_id, ids, shared) for seq, ids, shared in order.moves]
             log.info("migrating %d sequences from %s to %s", len(moves), name, order.dest)
             source.migrate(slots[order.dest].handle, moves, lambda res, o=order: self._migration_done(o, res))
 

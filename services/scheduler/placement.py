@@ -24,8 +24,8 @@ import collections
 class StepTimeModel:
     """Least-squares line ``seconds = a + b x tokens`` over a worker's last ``window`` passes.
 
-    The fit is refreshed every ``refit_every`` samples: the samples of that moment are kept and
-    fitted when the line is next read (placement reads it; a worker whose passes are only decodes
+    The fit is refreshed with every sample up to ``refit_every`` of them, then every ``refit_every``
+    samples: the samples of that moment are kept and fitted when the line is next read (placement reads it; a worker whose passes are only decodes
     may go long without one).
     """
 
@@ -42,7 +42,7 @@ class StepTimeModel:
             return
         self.samples.append((num_tokens, seconds))
         self._since_fit += 1
-        if (self._coef is None and self._to_fit is None) or self._since_fit >= self.refit_every:
+        if len(self.samples) <= self.refit_every or self._since_fit >= self.refit_every:
             self._since_fit = 0
             self._to_fit = tuple(self.samples)
 
@@ -125,6 +125,39 @@ def expected_finish(
     tokens = queued_tokens + prompt_tokens
     prefill = t(num_running + tokens) if tokens <= room else tokens / room * t(token_budget)
     return ahead + prefill + max(0, output_tokens - 1) * t(num_running + 1)
+
+
+def finish_times(
+    model: StepTimeModel,
+    fallback: StepTimeModel | None,
+    token_budget: int,
+    prompt_tokens: int,
+    outputs_left: list[int],
+) -> list[float]:
+    """Seconds from now until each sequence a worker holds would finish, in increasing order (the
+    last is the worker's queue delay, for rebalancing).
+
+    ``prompt_tokens``: prompt tokens of its sequences still to compute; ``outputs_left``: tokens each
+    sequence has still to generate (its ``max_tokens`` less those generated: an upper bound, as EOS
+    may come first). With ``t(n)`` the fitted pass time (``fallback``'s without a measured pass; all
+    0.0 with neither: no information): the prompts in passes of ``token_budget`` tokens beside the
+    decodes, then decode passes whose batch shrinks as sequences end: ``(r_k - r_(k-1)) x t(alive)``
+    over the outputs ``r`` in increasing order. Plans in flight are left out (a sequence moving
+    off the worker waits for them too)."""
+    if model.seconds(1) is None:
+        model = fallback if fallback is not None else model
+    if model.seconds(1) is None:
+        return [0.0] * len(outputs_left)
+    t = model.seconds
+    now = 0.0
+    if prompt_tokens:
+        now += prompt_tokens / max(1, token_budget - len(outputs_left)) * t(token_budget)
+    out, done = [], 0
+    for k, r in enumerate(sorted(outputs_left)):
+        now += max(0, r - done) * t(len(outputs_left) - k)
+        done = max(done, r)
+        out.append(now)
+    return out
 
 
 #: prefix-aware placement considers the workers whose load is within this factor of the least

@@ -93,7 +93,9 @@ class Scheduler:
         self.registry = WorkerRegistry()
         self.queue = WaitingQueue(config, self.registry, self.counters)
         self.lifecycle = SeqLifecycle(self.registry, self.queue.waiting, self.counters)
-        self.migrations = Migrations(config, self.registry, self.lifecycle, self.counters)
+        self.migrations = Migrations(
+            config, self.registry, self.lifecycle, self.counters, self.queue.prefix_hit
+        )
         policy = get_policy(config.policy)
         self.builder = PassBuilder(
             config, policy, self.slo, self.registry, self.queue, self.lifecycle, self.counters

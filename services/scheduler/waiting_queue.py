@@ -48,16 +48,8 @@ class WaitingQueue:
         return seq.full_block_hashes(block_size, root_hash(self.model_id, seq.cache_salt, extra))
 
     def lora_fits(self, slot: WorkerSlot, seq: Sequence) -> bool:
-        """``seq``'s LoRA adapter may join ``slot``: the base model (counts as none), or an adapter the
-        worker serves (``WorkerSlot.serves_lora``) that one of its running sequences runs with, or a
-        new one while they hold fewer than ``max_loras``. Every pass then holds at most ``max_loras``
-        distinct adapters, and the worker has a slot for each."""
-        if seq.lora is None:
-            return True
-        if not slot.serves_lora(seq.lora):
-            return False
-        held = {s.lora for s in slot.running if s.lora is not None}
-        return seq.lora in held or len(held) < self.config.max_loras
+        """``seq``'s LoRA adapter may join ``slot`` (``WorkerSlot.lora_fits``, ``max_loras`` slots)."""
+        return slot.lora_fits(seq, self.config.max_loras)
 
     def can_admit(self, slot: WorkerSlot, seq: Sequence, extra_blocks: int = 0) -> bool:
         """Rule 2: blocks for the whole remaining prompt (past its cached prefix) plus the watermark

@@ -15,11 +15,12 @@ from fuseserve.types import StepPlan
 
 
 class MigrationPhase(enum.Enum):
-    """Where a draining worker is in its round of KV migration (``fuseserve.scheduler.migration``)."""
+    """Where a worker is in its round of KV migration (``fuseserve.scheduler.migration``): a draining
+    worker's one round, or a rebalancing round (after which it is back to NONE)."""
 
-    NONE = "none"  # not started (or migration is off)
+    NONE = "none"  # no round under way (or migration is off)
     MOVING = "moving"  # moves sent, answers awaited: the worker is not planned
-    DONE = "done"  # the round is over: what stayed finishes there
+    DONE = "done"  # a draining worker's round is over: what stayed finishes there
 
 
 @dataclass
@@ -73,11 +74,26 @@ class WorkerSlot:
     poisoned_through: int = -1  # plans up to this step id were built on a plan that failed
     draining: bool = False  # the worker is stopping: its running sequences finish, no new ones come
     lora_recent: list[str] = field(default_factory=list)
-    migration: MigrationPhase = MigrationPhase.NONE  # its round of KV migration, while draining
+    migration: MigrationPhase = MigrationPhase.NONE  # its round of KV migration (drain or balance)
+    balance: dict[int, str] | None = None  # a rebalancing round planned: sequence id -> destination
 
     def serves_lora(self, lora: str) -> bool:
         """The worker serves adapter ``lora`` (or did not report its adapters)."""
         return self.lora_adapters is None or lora in self.lora_adapters
+
+    def lora_fits(
+        self, seq: Sequence, max_loras: int, moving: set[str] | frozenset[str] = frozenset()
+    ) -> bool:
+        """``seq``'s LoRA adapter may join this worker (with the adapters ``moving`` here too): the base
+        model (counts as none), or an adapter the worker serves that one of its running sequences runs
+        with, or a new one while they hold fewer than ``max_loras``. Every pass then holds at most
+        ``max_loras`` distinct adapters, and the worker has a slot for each."""
+        if seq.lora is None:
+            return True
+        if not self.serves_lora(seq.lora):
+            return False
+        held = {s.lora for s in self.running if s.lora is not None} | moving
+        return seq.lora in held or len(held) < max_loras
 
     def note_lora(self, name: str, max_loras: int) -> None:
         """A sequence of adapter ``name`` was placed here: the worker loads it into a slot unless one

@@ -35,7 +35,9 @@ class SeqSnapshot:
     """One sequence as a worker holds it, ready to move.
 
     layers: per layer ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` in
-        ``kv_dtype`` (the blocks of its computed tokens, in table order); empty for a runner without K/V.
+        ``kv_dtype`` (the blocks of its computed tokens after the ``num_shared`` first, in table
+        order); empty for a runner without K/V.
+    num_shared: leading blocks left out: the destination holds their K/V already (prefix cache).
     A seeded request needs no generator state: the sampler seeds its noise per output position.
     runner_state: runner-specific bytes (the simulated runner's prompt key).
     lora: the LoRA adapter it runs with (None: the base model).
@@ -52,6 +54,12 @@ class SeqSnapshot:
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     runner_state: bytes = b""
     lora: str | None = None
+    num_shared: int = 0
+
+    def share_leading(self, num_blocks: int) -> None:
+        """Leave out the first ``num_blocks`` blocks' K/V (the destination holds them)."""
+        self.layers = [(k[num_blocks:], v[num_blocks:]) for k, v in self.layers]
+        self.num_shared = num_blocks
 
     @property
     def num_bytes(self) -> int:
@@ -68,6 +76,8 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def _tensor_from(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     import torch
 
+    if not data:  # every block shared: nothing sent (frombuffer refuses an empty buffer)
+        return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
 
 
@@ -84,6 +94,7 @@ def to_parts(snap: SeqSnapshot, block_ids: list[int], fence: int) -> Iterator[pb
         block_ids=block_ids,
         kv_dtype=snap.kv_dtype,
         runner_state=snap.runner_state,
+        num_shared_blocks=snap.num_shared,
     )
     if snap.lora is not None:
         state.lora_name = snap.lora
@@ -119,12 +130,14 @@ def from_parts(
                 st.kv_dtype,
                 runner_state=bytes(st.runner_state),
                 lora=st.lora_name if st.HasField("lora_name") else None,
+                num_shared=st.num_shared_blocks,
             )
             block_ids = list(st.block_ids)
         elif snap is None or part.seq_id != snap.seq_id or part.layer != len(snap.layers):
             raise SchedulerError(f"KV migration: layer {part.layer} of seq {part.seq_id} out of order")
         else:
-            shape = (len(block_ids), *layer_shape)
+            num_blocks = -(-snap.num_computed // layer_shape[0]) - snap.num_shared  # the blocks sent
+            shape = (num_blocks, *layer_shape)
             snap.layers.append((_tensor_from(part.k, dtype, shape), _tensor_from(part.v, dtype, shape)))
         if part.last:
             yield snap, block_ids, part.fence
@@ -162,9 +175,11 @@ def export_model_seq(runner, seq_id: int) -> SeqSnapshot:
 
 
 def import_model_seq(runner, snap: SeqSnapshot, block_ids: list[int]) -> None:
-    """``ModelRunner.import_seq``: write ``snap``'s K/V into ``block_ids`` of this runner's cache and
-    take the sequence. Raises ``SchedulerError`` when the K/V dtype, the layer count or the number of
-    blocks does not match (nothing written then)."""
+    """``ModelRunner.import_seq``: write ``snap``'s K/V into ``block_ids`` of this runner's cache,
+    after the ``snap.num_shared`` first (prefix-cache blocks of this cache holding it already), and
+    take the sequence with all of them as its table (the scheduler reserved blocks for the rest of
+    its prompt too). Raises ``SchedulerError`` when the K/V dtype, the layer count or the
+    number of blocks does not match (nothing written then)."""
     import torch
 
     from fuseserve.worker.sampler import SeqSamplingState
@@ -176,11 +191,14 @@ def import_model_seq(runner, snap: SeqSnapshot, block_ids: list[int]) -> None:
             f"seq {snap.seq_id}: {len(snap.layers)} layers of {snap.kv_dtype} K/V for a cache of "
             f"{len(kv.k)} layers of {kv.dtype}"
         )
-    if len(block_ids) * kv.block_size < snap.num_computed or len(block_ids) != snap.layers[0][0].shape[0]:
-        raise SchedulerError(f"seq {snap.seq_id}: {len(block_ids)} blocks for {snap.num_computed} tokens")
+    n = snap.num_shared + snap.layers[0][0].shape[0]
+    if n * kv.block_size < snap.num_computed or len(block_ids) < n:
+        raise SchedulerError(
+            f"seq {snap.seq_id}: {n} blocks of K/V for {snap.num_computed} tokens, {len(block_ids)} to hold them"
+        )
     if snap.lora is not None and (runner.lora is None or snap.lora not in runner.lora.adapters):
         raise SchedulerError(f"seq {snap.seq_id}: LoRA adapter {snap.lora!r} is not served here")
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv.k[0].device)
+    index = torch.tensor(block_ids[snap.num_shared : n], dtype=torch.long, device=kv.k[0].device)
     for (k, v), (dk, dv) in zip(snap.layers, zip(kv.k, kv.v, strict=True), strict=True):
         dk.index_copy_(0, index, k.to(dk.device))
         dv.index_copy_(0, index, v.to(dv.device))

@@ -8,15 +8,14 @@ the model's own checkpoint mapping (``loader.resolve_name``) turns that into fus
 part (``model.layers.0.self_attn.qkv_proj``, part ``q``), so an adapter's ``B`` rows land in the
 part's output rows of a stacked projection.
 
-``read_adapter`` refuses, with ``LoRAAdapterError`` naming the adapter and the fact: a missing or
-unreadable file, a rank above ``max_lora_rank``, a PEFT feature not served (DoRA, LoRA biases,
-``modules_to_save``, per-module rank/alpha patterns, embedding or parameter targets), a target that
-is not one of the decoder's linear layers, and weights whose shapes are not the base model's.
+``read_adapter`` checks the config with ``fuseserve.lora_checkpoint.check_adapter`` (the one check
+of the startup and the runtime paths) and then refuses, with ``LoRAAdapterError`` naming the adapter
+and the fact: an unreadable weights file, a tensor that is not a LoRA weight of one of the decoder's
+linear layers, and weights whose shapes are not the base model's.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -29,38 +28,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from fuseserve.errors import LoRAAdapterError
+from fuseserve.lora_checkpoint import WEIGHTS_FILE, check_adapter, unserved_target
 from fuseserve.worker.loader import resolve_name
 from fuseserve.worker.lora_layers import LoRALinear
 from fuseserve.worker.models.layers import MergedLinear
 from fuseserve.worker.parallel import RowParallelLinear
 
-SERVED_TARGETS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "qkv_proj",
-    "gate_up_proj",
-)
-"""Checkpoint module names an adapter may target (``qkv_proj`` / ``gate_up_proj``: checkpoints that
-store them fused, Phi-3); whether the model has them is checked tensor by tensor."""
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z_]\w*)?\.weight$")
-# PEFT options that change the computation beyond x A^T B^T (refused when set)
-_REFUSED = {
-    "use_dora": "DoRA",
-    "modules_to_save": "modules_to_save",
-    "trainable_token_indices": "trainable tokens",
-    "target_parameters": "parameter targets (target_parameters)",
-    "alpha_pattern": "per-module alpha (alpha_pattern)",
-    "rank_pattern": "per-module ranks (rank_pattern)",
-    "lora_bias": "LoRA biases (lora_bias)",
-    "fan_in_fan_out": "fan_in_fan_out weights",
-}
 
 
 def adaptable(module: nn.Module) -> bool:
@@ -86,49 +60,12 @@ class LoRAAdapter:
     weights: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
-def read_config(name: str, path: Path) -> dict:
-    """The adapter's ``adapter_config.json``, checked to be a plain LoRA. Raises ``LoRAAdapterError``."""
-    file = path / CONFIG_FILE
-    try:
-        config = json.loads(file.read_text())
-    except OSError as e:
-        raise LoRAAdapterError(name, f"cannot read {file}: {e.strerror or e}") from e
-    except ValueError as e:
-        raise LoRAAdapterError(name, f"{file} is not JSON: {e}") from e
-    if not isinstance(config, dict):
-        raise LoRAAdapterError(name, f"{file} is not a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise LoRAAdapterError(name, f"peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("bias", "none") != "none":
-        raise LoRAAdapterError(name, f"bias={config['bias']!r} is not served (only 'none')")
-    for key, what in _REFUSED.items():
-        if config.get(key):
-            raise LoRAAdapterError(name, f"{what} is not served ({key}={config[key]!r})")
-    if not isinstance(config.get("r"), int) or config["r"] < 1:
-        raise LoRAAdapterError(name, f"{file}: r={config.get('r')!r} is not a rank >= 1")
-    targets = config.get("target_modules")
-    if isinstance(targets, list):  # a regex (a string) is checked through the tensors it matched
-        for target in targets:
-            if target.rpartition(".")[2] not in SERVED_TARGETS:
-                raise LoRAAdapterError(name, _unserved(target))
-    return config
-
-
-def _unserved(target: str) -> str:
-    return (
-        f"target module {target!r} is not served: LoRA applies to the decoder's projections "
-        f"({', '.join(SERVED_TARGETS)})"
-    )
-
-
 def read_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -> LoRAAdapter:
     """Read the PEFT adapter at ``path`` for ``model`` (built by ``loader.load_model``: its module
     names and full shapes). Raises ``LoRAAdapterError`` (see the module docstring)."""
     path = Path(path)
-    config = read_config(name, path)
+    config = check_adapter(name, path, max_rank)
     r = config["r"]
-    if r > max_rank:
-        raise LoRAAdapterError(name, f"rank {r} is above max_lora_rank={max_rank}")
     alpha = float(config.get("lora_alpha", r))
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     tensors = _read_tensors(name, path / WEIGHTS_FILE)
@@ -179,7 +116,7 @@ def _place(
         module = module.base
     leaf = hf_module.rpartition(".")[2]
     if module is None or not adaptable(module) or param.rpartition(".")[2] != "weight":
-        raise LoRAAdapterError(name, _unserved(leaf) + f" ({hf_module})")
+        raise LoRAAdapterError(name, unserved_target(leaf) + f" ({hf_module})")
     full_in = _full_in(module)
     full_out = _full_out(module, part)
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:

@@ -114,9 +114,9 @@ class ModelRunner:
 
     def _load_adapters(self) -> LoRAManager | None:
         """The adapters of ``config.lora_modules`` wrapped around the model (``lora_manager.py``);
-        None without any. Raises ``LoRAAdapterError`` for one that cannot be served."""
+        None without any and without ``allow_runtime_lora``. Raises ``LoRAAdapterError`` for one that cannot be served."""
         c = self.config
-        if not c.lora_modules:
+        if not c.lora_modules and not c.allow_runtime_lora:
             return None
         return LoRAManager(self.model, c.lora_paths(), c.max_loras, c.max_lora_rank, self.dtype, self.device)
 
@@ -182,6 +182,17 @@ class ModelRunner:
     def num_lora_loads(self) -> int:
         """LoRA adapters written into an adapter slot so far (``LoRAManager.num_loads``; 0 without)."""
         return self.lora.num_loads if self.lora is not None else 0
+
+    def take_lora_load_seconds(self) -> list[float]:
+        """Seconds of each LoRA slot load since the last call (read and reset; ``LoRAManager``)."""
+        return self.lora.take_load_seconds() if self.lora is not None else []
+
+    def set_runtime_loras(self, paths: dict[str, str]) -> list[str]:
+        """Serve the runtime LoRA adapters ``paths`` (name → path; ``LoRAManager.set_runtime``);
+        returns the adapters served. Raises ``InvalidRequestError`` without ``allow_runtime_lora``."""
+        if self.lora is None or not self.config.allow_runtime_lora:
+            raise InvalidRequestError("runtime LoRA adapters need allow_runtime_lora", "allow_runtime_lora")
+        return self.lora.set_runtime(paths)
 
     # ----- lifecycle -----
     def close(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from fuseserve import messages
 from fuseserve.drain_signal import DrainSignal
@@ -32,9 +33,17 @@ def wait_drained(runner, drain: DrainSignal) -> int:
 class Registration:
     """The worker's Redis record (``messages.WorkerRecord``): written every ``HEARTBEAT_S`` while it
     serves, marked ``draining`` on the drain notice, deleted when it stops. One writer at a time, so
-    the drain notice is never overwritten by a heartbeat in flight."""
+    the drain notice is never overwritten by a heartbeat in flight. ``set_runtime_loras`` (with
+    ``--allow-runtime-lora``: ``ModelRunner.set_runtime_loras``) is given the runtime adapters of
+    ``messages.RUNTIME_LORA`` before each write, and the record advertises what it returns."""
 
-    def __init__(self, redis_url: str, worker_id: str, record: messages.WorkerRecord):
+    def __init__(
+        self,
+        redis_url: str,
+        worker_id: str,
+        record: messages.WorkerRecord,
+        set_runtime_loras: Callable[[dict[str, str]], list[str]] | None = None,
+    ):
         import redis
 
         self.r = redis.Redis.from_url(redis_url)
@@ -43,14 +52,23 @@ class Registration:
         self.record = record
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._set_runtime_loras = set_runtime_loras
         self._beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
 
     def write(self) -> None:
         with self._lock:
             try:
+                if self._set_runtime_loras is not None:
+                    self._refresh_loras()
                 self.r.set(self.key, self.record.encode(), ex=messages.WORKER_TTL_S)
             except self._error as e:
                 log.warning("heartbeat failed: %s", e)
+
+    def _refresh_loras(self) -> None:
+        """Serve the adapters of the hash ``messages.RUNTIME_LORA`` and advertise what is served."""
+        raw = self.r.hgetall(messages.RUNTIME_LORA)
+        paths = {k.decode(): v.decode() for k, v in raw.items()}
+        self.record.lora_adapters = self._set_runtime_loras(paths)
 
     def _heartbeat(self) -> None:
         while not self._stop.is_set():

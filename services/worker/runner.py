@@ -42,6 +42,7 @@ class Runner(Protocol):
         that breaks the contract (``SeqTable.admit``).
     free(seq_ids): drop sequences and return their blocks (unknown ids are ignored).
     num_lora_loads: LoRA adapters written into an adapter slot so far (0 without adapters).
+    take_lora_load_seconds(): the seconds of each of those loads since the last call (read and reset).
     """
 
     info: WorkerInfo
@@ -52,6 +53,8 @@ class Runner(Protocol):
 
     @property
     def num_lora_loads(self) -> int: ...
+
+    def take_lora_load_seconds(self) -> list[float]: ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
 

@@ -178,6 +178,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.metrics.observe_step(
                 plan.num_tokens, len(result.tokens), result.forward_seconds, result.num_passes
             )
+            self.metrics.observe_lora_loads(self.runner.take_lora_load_seconds())
         return convert.step_result_to_proto(result, free)
 
     def _refuse(self, step_id: int, fence: int) -> pb.StepResponse:
@@ -233,7 +234,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 try:
                     if not hasattr(self.runner, "export_seq"):
                         raise SchedulerError(f"{type(self.runner).__name__} does not migrate sequences")
-                    snaps.append((self.runner.export_seq(move.seq_id), list(move.dest_block_ids)))
+                    snap = self.runner.export_seq(move.seq_id)
+                    snap.share_leading(move.num_shared_blocks)
+                    snaps.append((snap, list(move.dest_block_ids)))
                 except SchedulerError as e:
                     errors.append(str(e))
         start = time.perf_counter()
@@ -364,7 +367,8 @@ def run_worker(args: argparse.Namespace) -> int:
         kv_cache_dtype=info.kv_cache_dtype,
         lora_adapters=list(info.lora_adapters),
     )
-    registration = Registration(args.redis_url, worker_id, record)
+    runtime_loras = runner.set_runtime_loras if args.allow_runtime_lora and not args.simulate else None
+    registration = Registration(args.redis_url, worker_id, record, runtime_loras)
     registration.start()
     log.info(
         "worker %s serving %s at %s (%d KV blocks of %s, token budget %d%s)",

@@ -95,6 +95,10 @@ class SimulatedRunner:
         """Always 0: a simulated worker serves no adapter."""
         return 0
 
+    def take_lora_load_seconds(self) -> list[float]:
+        """Always empty: a simulated worker loads no adapter."""
+        return []
+
     def free(self, seq_ids: list[int]) -> None:
         """Drop sequences and return their blocks (unknown ids are ignored)."""
         self.seq_table.free(seq_ids)

@@ -118,6 +118,13 @@ class WorkerMetrics:
             labels,
             registry=r,
         ).labels(model_name, worker_id)
+        self.lora_load = Histogram(
+            "fuseserve_lora_load_seconds",
+            "Seconds to write one LoRA adapter into an adapter slot (its fuseserve_lora_loads_total)",
+            labels,
+            buckets=_FORWARD_BUCKETS,
+            registry=r,
+        ).labels(model_name, worker_id)
         r.register(_KVCollector(self))
         self.port: int | None = None
         if port is not None:
@@ -131,3 +138,8 @@ class WorkerMetrics:
         for _ in range(max(1, passes)):
             forward.observe(seconds / max(1, passes))
         self.sampled_tokens.inc(sampled)
+
+    def observe_lora_loads(self, seconds: list[float]) -> None:
+        """Record LoRA slot loads of ``seconds`` each (``Runner.take_lora_load_seconds``)."""
+        for s in seconds:
+            self.lora_load.observe(s)

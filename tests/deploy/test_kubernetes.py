@@ -187,3 +187,10 @@ def test_every_scheduler_replica_is_discoverable(objects):
         assert service["clusterIP"] == "None", name
         pod_labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
         assert service["selector"].items() <= pod_labels.items(), name
+    # each scheduler writes its pod IP into its stats record: fuseserve top reaches its metrics there
+    # (a pod's host name does not resolve from other pods)
+    container = _container(deployments["scheduler"])
+    args = container["args"]
+    assert args[args.index("--advertise-host") + 1] == "$(POD_IP)"
+    pod_ip = next(e for e in container["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"

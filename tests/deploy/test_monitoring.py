@@ -75,7 +75,8 @@ def test_alerts_and_dashboard_name_only_exported_metrics():
         "FuseserveHigh5xxRate",
         "FuseserveSchedulerStalled",
     } <= alerts
-    # the dashboard's subjects: throughput, TTFT/ITL, pass fullness vs budget, KV, queue, preemptions, errors
+    # the dashboard's subjects: throughput, TTFT/ITL, pass fullness vs budget, KV, queue, preemptions,
+    # errors, LoRA (adapters running / waiting, loads, load time)
     for name in (
         "fuseserve_generation_tokens_total",
         "fuseserve_time_to_first_token_seconds_bucket",
@@ -86,6 +87,9 @@ def test_alerts_and_dashboard_name_only_exported_metrics():
         "fuseserve_num_requests_waiting",
         "fuseserve_num_preemptions_total",
         "fuseserve_http_requests_total",
+        "fuseserve_lora_requests_info",
+        "fuseserve_lora_loads_total",
+        "fuseserve_lora_load_seconds_bucket",
     ):
         assert name in used, f"nothing shows {name}"
 

@@ -163,3 +163,51 @@ def _flat(entries) -> list[float]:
         for t in e.top:
             out += [t.token_id, t.logprob]
     return out
+
+
+def test_load_and_unload_at_runtime(checkpoint, pipe, tmp_path):
+    """``pipe.load_lora`` (``allow_runtime_lora``): an adapter loaded after start gives the tokens it
+    gives when served from the start, through the one checkpoint check (rank, path, name, another
+    base model's shapes: typed 400s); unload refuses an adapter in flight, one given at start and an
+    unknown one; off without the flag."""
+    from tiny_models import CONFIGS, random_model
+
+    from fuseserve.errors import LoRAAdapterInUseError, LoRAAdapterNotFoundError, RuntimeLoRADisabledError
+
+    hf, root, adapters = checkpoint
+    prompt = random_prompt(7, 12, 128)
+    want = pipe([prompt], lora="a8", max_new_tokens=6, temperature=0.0, ignore_eos=True)[0].token_ids
+    with pytest.raises(RuntimeLoRADisabledError, match="--allow-runtime-lora"):
+        pipe.load_lora("late", adapters["a8"])
+    config = CONFIGS["llama-gqa"]()
+    config.hidden_size, config.intermediate_size = 32, 64
+    write_adapter(random_model(config), tmp_path / "other", 4, ["q_proj"], 5)
+    with _pipeline(
+        root, {"a4": adapters["a4"]}, token_budget=16, max_loras=2, max_lora_rank=8, allow_runtime_lora=True
+    ) as p:
+        for name, path, error, message in [
+            ("big", adapters["a16"], LoRAAdapterError, "rank 16 is above max_lora_rank=8"),
+            ("gone", str(tmp_path / "none"), LoRAAdapterError, "is not a directory"),
+            ("other", str(tmp_path / "other"), LoRAAdapterError, "another base model"),
+            (p.name, adapters["a8"], InvalidRequestError, "base model's name"),
+            ("a4", adapters["a8"], InvalidRequestError, "already loaded"),
+        ]:
+            with pytest.raises(error, match=message):
+                p.load_lora(name, path)
+        assert p.lora_names == ["a4"]
+        p.load_lora("late", adapters["a8"])
+        assert p.lora_names == ["a4", "late"]
+        got = p([prompt], lora="late", max_new_tokens=6, temperature=0.0, ignore_eos=True)[0].token_ids
+        assert got == want
+        stream = p.stream_tokens(prompt, lora="late", max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        next(stream)
+        with pytest.raises(LoRAAdapterInUseError):
+            p.unload_lora("late")
+        assert [t for t, _ in stream] == want[1:]
+        with pytest.raises(InvalidRequestError, match="construction"):
+            p.unload_lora("a4")
+        with pytest.raises(LoRAAdapterNotFoundError):
+            p.unload_lora("nope")
+        p.unload_lora("late")
+        with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'late'"):
+            p([prompt], lora="late", max_new_tokens=1)

@@ -92,9 +92,12 @@ def _model_runner(checkpoint, lora: bool = False):
     return ModelRunner(path, cfg, [0], config, progress=False)
 
 
-def _migrate(src: _Worker, dst: _Worker, seq_id: int, num_tokens: int, fence: int = 0) -> pb.MigrateResponse:
-    dst.account.reserve(seq_id, num_tokens)
-    move = pb.SeqMove(seq_id=seq_id, dest_block_ids=dst.account.unsent(seq_id))
+def _migrate(
+    src: _Worker, dst: _Worker, seq_id: int, num_tokens: int, fence: int = 0, shared: list[int] = ()
+) -> pb.MigrateResponse:
+    dst.account.reserve(seq_id, num_tokens, list(shared))
+    ids = dst.account.unsent(seq_id)
+    move = pb.SeqMove(seq_id=seq_id, dest_block_ids=ids, num_shared_blocks=len(shared))
     request = pb.MigrateRequest(fence=fence, dest_address=dst.address, dest_fence=fence, moves=[move])
     return src.stub.Migrate(request, timeout=60)
 
@@ -126,11 +129,35 @@ def test_a_sequence_part_way_through_its_prompt_moves_and_finishes_it_there(chec
         params = PARAMS["greedy"]
         for w in (home, src):  # the first 8 prompt tokens computed, nothing sampled yet
             w.run_chunk(SeqChunk(1, 0, 8, PROMPT[:8], False, params, len(PROMPT)))
-        answer = _migrate(src, dst, 1, 8)
+        answer = _migrate(src, dst, 1, len(PROMPT))  # blocks for the whole prompt, as the scheduler reserves
         assert list(answer.moved_seq_ids) == [1] and dst.runner.seqs[1].last_token is None
+        assert len(dst.runner.seqs[1].block_table) == 5 and answer.num_bytes == 2 * 2 * 2 * BLOCK * 2 * 8 * 4
         rest = lambda w: w.run(SeqChunk(1, 8, len(PROMPT) - 8, PROMPT[8:], True))  # noqa: E731
         assert rest(dst) == rest(home)
         assert _decode(dst, len(PROMPT), 6) == _decode(home, len(PROMPT), 6)
+    finally:
+        for w in (home, src, dst):
+            w.close()
+
+
+def test_blocks_the_destination_caches_are_shared_not_sent(checkpoint):
+    """The destination computed the same prompt for another sequence: the moved one's first 4 blocks
+    are those (their K/V not sent), the rest comes over, and it decodes as it would at home."""
+    home, src, dst = (_Worker(_model_runner(checkpoint)) for _ in range(3))
+    try:
+        params = PARAMS["greedy"]
+        first = SeqChunk(1, 0, len(PROMPT), PROMPT, True, params, len(PROMPT))
+        assert home.run(first) == src.run(SeqChunk(**{**vars(first), "block_ids": []}))
+        dst.run(SeqChunk(**{**vars(first), "seq_id": 2, "block_ids": []}))  # the same prompt there
+        pos = len(PROMPT)
+        assert _decode(home, pos, 3) == _decode(src, pos, 3)
+        pos += 3
+        cached = dst.account.tables[2][:4]  # the full blocks of the prompt (19 tokens)
+        answer = _migrate(src, dst, 1, pos, shared=cached)
+        assert list(answer.moved_seq_ids) == [1] and not answer.error
+        assert dst.runner.seqs[1].block_table[:4] == cached
+        assert answer.num_bytes == 2 * 2 * 2 * BLOCK * 2 * 8 * 4  # 2 of its 6 blocks sent
+        assert _decode(dst, pos, 12) == _decode(home, pos, 12)
     finally:
         for w in (home, src, dst):
             w.close()

@@ -320,6 +320,23 @@ def test_touch_keeps_own_entries_and_reports_those_a_peer_claimed(r):
     conn.close()
 
 
+def test_a_stale_scheduler_acknowledges_only_the_entries_still_its_own(r):
+    """A scheduler that stalled past its claim idle time and finishes a request a peer has taken over
+    leaves the peer's entry pending (the peer's heartbeat would otherwise drop the request, and a
+    peer dying next would leave nothing to claim); its own finished entries go."""
+    add_requests(r, 2)
+    r.xreadgroup(messages.SCHEDULER_GROUP, "sched-a", {messages.REQUESTS: ">"}, count=2)
+    ids = [e for e, _ in r.xrange(messages.REQUESTS)]
+    r.xclaim(messages.REQUESTS, messages.SCHEDULER_GROUP, "sched-b", 0, [ids[1]], justid=True)  # taken over
+    stale = redis_io.LoopConnection(r, "sched-a")
+    stale.publish({}, ids)  # sched-a finished both
+    stale.flush()
+    pending = r.xpending_range(messages.REQUESTS, messages.SCHEDULER_GROUP, "-", "+", 10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [(ids[1], "sched-b")]
+    assert [e for e, _ in r.xrange(messages.REQUESTS)] == ids[1:]  # its own: acknowledged and deleted
+    stale.close()
+
+
 @pytest.mark.parametrize(
     "reply",
     [

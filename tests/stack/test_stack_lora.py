@@ -12,9 +12,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from stack_harness import MODEL, openai_client, recovery_stack
-
-import fuseserve
+from stack_harness import MODEL, openai_client, recovery_pipeline, recovery_stack
 
 ADAPTERS = {  # name → (rank, target modules, seed)
     "sql-lora": (8, ["q_proj", "v_proj"], 11),
@@ -55,15 +53,7 @@ def lora_stack(lora_server):
 @pytest.fixture(scope="module")
 def expected(smollm2_source, adapters) -> dict[tuple[str, str], str]:
     """(model, "completion" | "chat") → the pipeline's greedy text, with the stack's settings."""
-    with fuseserve.pipeline(
-        str(smollm2_source.path),
-        token_budget=32,
-        kv_cache_memory="64MiB",
-        dtype="float32",
-        lora_modules=adapters,
-        max_loras=2,
-        progress=False,
-    ) as pipe:
+    with recovery_pipeline(smollm2_source, lora_modules=adapters, max_loras=2) as pipe:
         out = {}
         for name in [MODEL, *ADAPTERS]:
             lora = None if name == MODEL else name

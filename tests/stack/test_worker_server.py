@@ -39,6 +39,9 @@ class _SlowRunner:
         self.num_free_blocks = 10
         self.num_lora_loads = 0  # the Runner protocol's (no adapters here)
 
+    def take_lora_load_seconds(self) -> list[float]:
+        return []
+
     def step(self, plan: StepPlan) -> StepResult:
         self.order.append(plan.step_id)
         if plan.free_seq_ids == [666]:

@@ -233,3 +233,20 @@ def test_lora_recent_keeps_max_loras_and_never_drops_a_running_adapter():
     assert sorted(slot.lora_recent) == ["a", "b"]
     eng.run()
     assert slot.lora_recent[-1] == "c" and len(slot.lora_recent) == 2
+
+
+def test_scheduler_stats_merge_the_adapters_in_use_and_served():
+    """Gateways read the schedulers' records (``merge_scheduler_stats``): an adapter is in use when any
+    scheduler runs or queues it (an unload is refused), served when every scheduler that drives
+    workers can place it (a load answers); a scheduler without workers does not count."""
+    import json
+    import time
+
+    from fuseserve.messages import merge_scheduler_stats
+
+    now = time.time()
+    rec = lambda in_use, served: json.dumps({"time": now, "lora_in_use": in_use, "lora_served": served})  # noqa: E731
+    # two schedulers drive workers (one of them idle: its stats name no worker), one drives none
+    merged = merge_scheduler_stats([rec(["a"], ["a", "b"]), rec(["c"], ["b"]), rec(["d"], None)], now)
+    assert merged["lora_in_use"] == {"a", "c", "d"} and merged["lora_served"] == {"b"}
+    assert merge_scheduler_stats([rec([], None)], now)["lora_served"] is None  # none drives a worker

@@ -5,49 +5,16 @@ exact; an abort while a move is in flight, a failed move and migration off behav
 
 from __future__ import annotations
 
-from fake_worker import FakeWorker
+from fake_worker import MovingWorker
 
 from fuseserve.config import EngineConfig
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.engine_core import EngineCore
-from fuseserve.scheduler.migration import MigrationResult
 from fuseserve.scheduler.sequence import Sequence
 from fuseserve.scheduler.worker_slot import MigrationPhase
 
 BS = 4
 PARAMS = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-class MovingWorker(FakeWorker):
-    """A fake worker with ``migrate``: copies each sequence's tokens and slots into the destination's
-    given blocks and drops it here. ``hold``: keep the answer until ``release()`` (a move in flight)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.hold = False
-        self.fail = False
-        self._held = []
-
-    def migrate(self, dest: MovingWorker, moves, on_done) -> None:
-        moved = []
-        if not self.fail:
-            for seq_id, block_ids in moves:
-                seq = self.seqs.pop(seq_id)
-                for i, b in enumerate(seq.table[: len(block_ids)]):
-                    dest.slots[block_ids[i]] = list(self.slots[b])
-                seq.table = list(block_ids)
-                dest.seqs[seq_id] = seq
-                moved.append(seq_id)
-        result = MigrationResult(moved, num_bytes=100 * len(moved), seconds=0.01)
-        if self.hold:
-            self._held.append((on_done, result))
-        else:
-            on_done(result)
-
-    def release(self) -> None:
-        for on_done, result in self._held:
-            on_done(result)
-        self._held = []
 
 
 def _core(
@@ -179,3 +146,73 @@ def test_a_lone_draining_worker_keeps_every_sequence_even_those_in_their_prompt(
     _run(core, seqs, until=lambda: not slot.running)
     assert core.scheduler.num_recomputed_tokens == 0 and core.scheduler.num_migrated == 0
     assert all(len(s.output_token_ids) == 12 for s in running)  # those queued wait for a worker
+
+
+def test_a_sequence_part_way_through_its_prompt_moves_and_computes_the_rest_there():
+    """The destination reserves blocks for the whole prompt (a prompt's blocks are reserved at
+    admission; its continuing chunks bring none), the moved K/V fills the first ones."""
+
+    def run(drain: bool) -> tuple[EngineCore, dict[int, list[int]], set[int]]:
+        history: dict = {}
+        workers = {
+            n: MovingWorker(num_blocks=64, block_size=BS, name=n, history=history) for n in ("w0", "w1")
+        }
+        core = EngineCore(EngineConfig(token_budget=8, block_size=BS), eos_token_ids=[])
+        for name, w in workers.items():
+            core.add_worker(name, w, 64, BS, 1 << 12, threaded=False)
+        seqs = [Sequence(i, [5 + i] * 30, PARAMS) for i in range(4)]
+        for s in seqs:
+            core.add_request(s)
+        slot = core.scheduler.slots["w0"]
+
+        def mid_prompt():
+            return {
+                s.seq_id for s in slot.running if s.in_prefill and s.num_computed_tokens > s.num_start_tokens
+            }
+
+        _run(core, seqs, until=mid_prompt)
+        moving = mid_prompt()
+        if drain:
+            core.drain_worker("w0")
+        got = _run(core, seqs)
+        assert not any(w.errors for w in workers.values())
+        return core, got, moving
+
+    _, want, _ = run(drain=False)
+    core, got, moving = run(drain=True)
+    assert moving and got == want
+    assert core.scheduler.num_migrated >= len(moving) and core.scheduler.num_recomputed_tokens == 0
+    for slot in core.scheduler.slots.values():
+        slot.account.check()
+
+
+def test_a_moved_sequence_shares_the_destinations_cached_prefix_blocks():
+    """The destination already computed the same prompt prefix (another sequence): those blocks are
+    shared there (reference counted, their K/V not sent) and the moved sequence ends as it would at
+    home; the fake worker checks that each shared block holds the sequence's own K/V."""
+    history: dict = {}
+    workers = {n: MovingWorker(num_blocks=64, block_size=BS, name=n, history=history) for n in ("w0", "w1")}
+    config = EngineConfig(token_budget=32, block_size=BS, prefix_aware_placement=False)
+    core = EngineCore(config, eos_token_ids=[])
+    core.add_worker("w0", workers["w0"], 64, BS, 1 << 12, threaded=False)
+    prefix = list(range(10, 26))  # 4 full blocks
+    moving = Sequence(1, prefix + [7, 8], PARAMS)
+    core.add_request(moving)
+    _run(core, [moving], until=lambda: len(moving.output_token_ids) >= 2)
+    core.add_worker("w1", workers["w1"], 64, BS, 1 << 12, threaded=False)
+    other = Sequence(2, prefix + [9], PARAMS)
+    core.add_request(other)
+    _run(core, [moving, other], until=lambda: other.worker == "w1" and len(other.output_token_ids) >= 1)
+    assert moving.worker == "w0"
+    core.drain_worker("w0")
+    _run(core, [moving, other], until=lambda: moving.worker == "w1")
+    account = core.scheduler.slots["w1"].account
+    assert account.tables[1][:4] == account.tables[2][:4]  # the prefix's blocks, held by both
+    assert 0 < workers["w0"].blocks_sent <= len(account.tables[1]) - 4  # only those after the prefix
+    _run(core, [moving, other])
+    assert len(moving.output_token_ids) == PARAMS.max_new_tokens and not any(
+        w.errors for w in workers.values()
+    )
+    assert history[1][: len(moving.prompt_token_ids)] == moving.prompt_token_ids
+    for slot in core.scheduler.slots.values():
+        slot.account.check()

@@ -233,15 +233,19 @@ class GrpcWorker:
             raise box[0]
         return box[0]
 
-    def migrate(self, dest: GrpcWorker, moves: list[tuple[int, list[int]]], on_done) -> None:
-        """Ask this (source) worker to move ``moves`` ``(seq_id, destination block ids)`` to ``dest``
+    def migrate(self, dest: GrpcWorker, moves: list[tuple[int, list[int], int]], on_done) -> None:
+        """Ask this (source) worker to move ``moves`` ``(seq_id, destination block ids, leading blocks
+        the destination holds already)`` to ``dest``
         with their K/V (``Migrate``); ``on_done`` gets a ``migration.MigrationResult``, or
         ``WorkerFencedError`` / ``WorkerLostError``, once, on the loop thread. Never blocks."""
         request = pb.MigrateRequest(
             fence=self.fence,
             dest_address=dest.record.address,
             dest_fence=dest.fence,
-            moves=[pb.SeqMove(seq_id=sid, dest_block_ids=ids) for sid, ids in moves],
+            moves=[
+                pb.SeqMove(seq_id=sid, dest_block_ids=ids, num_shared_blocks=shared)
+                for sid, ids, shared in moves
+            ],
         )
         self._aio.spawn(self._migrate(request, on_done))
 

@@ -29,6 +29,7 @@ from functools import partial
 import redis
 
 from fuseserve import messages
+from fuseserve.scheduler.service import request_claims
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +170,12 @@ class LoopConnection:
     Args:
         r: the service's client; the connection is made with its pool's settings (address, password,
             db, ``decode_responses``).
+        consumer: the scheduler's consumer name: ``publish`` acknowledges only entries still pending
+            for it (``request_claims.ack_command``). None: every entry given.
     """
 
-    def __init__(self, r: redis.Redis):
+    def __init__(self, r: redis.Redis, consumer: str | None = None):
+        self.consumer = consumer
         pool = r.connection_pool
         self._conn = pool.connection_class(**pool.connection_kwargs)
         self._unread = 0  # replies of the last ``publish`` not read yet
@@ -194,7 +198,8 @@ class LoopConnection:
     def publish(self, by_gateway: dict[str, list], ack_ids: list[str] = ()) -> None:
         """Send one ``XADD`` per gateway of its events (``TokenEvent``s or their ``to_wire`` dicts),
         then acknowledge (XACK) and delete (XDEL) the request entries ``ack_ids`` of finished
-        sequences, after their last token is written; without waiting for the replies (pipelined).
+        sequences, after their last token is written (with ``consumer``: those still its own);
+        without waiting for the replies (pipelined).
 
         The replies are read by the next ``publish``, ``call`` or ``flush``, by when they have
         arrived: the loop never sleeps in a round trip per worker-step (a blocking read cost it a
@@ -219,7 +224,9 @@ class LoopConnection:
             )
             for gw, evs in by_gateway.items()
         ]
-        if ack_ids:
+        if ack_ids and self.consumer is not None:
+            commands.append(request_claims.ack_command(self.consumer, list(ack_ids)))
+        elif ack_ids:
             commands.append(("XACK", messages.REQUESTS, messages.SCHEDULER_GROUP, *ack_ids))
             commands.append(("XDEL", messages.REQUESTS, *ack_ids))
         error = self._collect()  # the last publish's; raised after these commands are sent

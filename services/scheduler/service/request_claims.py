@@ -12,6 +12,11 @@ cannot reach a client once the peer has spoken.
 - ``touch_commands`` / ``parse_touch``: the owner's heartbeat re-delivers to itself only the entries it
   still owns (resetting their idle time) and learns which ones a peer has claimed meanwhile, so it
   drops them instead of taking them back (a plain ``XCLAIM`` would steal them back from the peer).
+- ``ack_command``: a finished request's entry is acknowledged and deleted only while it is still
+  pending for this scheduler. A stalled scheduler that comes back and finishes a request a peer has
+  taken over meanwhile must not remove the peer's entry: were the peer to die next, nothing would be
+  left to claim, and the peer's own heartbeat would take the entry for one claimed away and drop the
+  request.
 """
 
 from __future__ import annotations
@@ -54,7 +59,29 @@ end
 return lost
 """
 
+#: ARGV: group, consumer, entry ids. Acknowledges (XACK) and deletes (XDEL) the ids still pending for
+#: the consumer; returns how many. Sent with EVAL: it runs in the loop's pipelined publish, where a
+#: NOSCRIPT reply (Redis restarted) would only come back with the next call.
+_ACK_LUA = """
+local n = 0
+for i = 3, #ARGV do
+  local p = redis.call('xpending', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if p[1] then
+    redis.call('xack', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('xdel', KEYS[1], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
 TOUCH_BATCH = 500  # entry ids per touch script call
+
+
+def ack_command(consumer: str, entry_ids: list[str]) -> tuple:
+    """The command that acknowledges and deletes the request entries ``entry_ids`` that are still
+    ``consumer``'s (its reply: how many were)."""
+    return ("EVAL", _ACK_LUA, 1, messages.REQUESTS, messages.SCHEDULER_GROUP, consumer, *entry_ids)
 
 
 class RequestClaims:

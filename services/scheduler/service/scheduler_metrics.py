@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -335,6 +334,9 @@ def stats_command(service) -> tuple:
     }
     cpu50, cpu99 = service.core.stats.cpu_per_step_ms()
     idle50, idle99 = service.core.stats.idle_ms()
+    slots = list(service.scheduler.slots.values())
+    in_use = [s for slot in slots for s in slot.running] + list(service.scheduler.waiting)
+    served = [a for slot in slots for a in slot.lora_adapters or ()]
     stats = {
         "waiting": waiting,
         "running": running,
@@ -349,13 +351,16 @@ def stats_command(service) -> tuple:
         "taken_over": service.num_taken_over,
         "migrated": totals.num_migrated,
         "migrated_bytes": totals.num_migrated_bytes,
+        "rebalanced": totals.num_rebalanced,
         "recomputed_tokens": totals.num_recomputed_tokens,
         "migration_seconds": totals.migration_seconds,
         "lost_to_peers": service.num_lost_to_peers,
         "handed_over": service.num_handed_over,
         "fenced_workers": service.leases.num_fenced,
         "metrics_port": service.metrics.port,
-        "metrics_host": socket.gethostname(),
+        "metrics_host": service.advertise_host,
+        "lora_in_use": sorted({s.lora for s in in_use if s.lora is not None}),  # running or waiting
+        "lora_served": sorted(set(served)) if slots else None,  # adapters its workers advertise
     }
     service.metrics.queue_depth.set(waiting)  # the gauges; ``record`` counted the events
     service.metrics.running.set(running)

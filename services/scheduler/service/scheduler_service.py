@@ -90,6 +90,8 @@ class SchedulerService:
         consumer: this scheduler's name in the consumer group (default: host-pid-random).
         metrics_port: serve Prometheus metrics on this port (None: not served).
         timings: lease and claim timings (every scheduler of a deployment uses the same).
+        advertise_host: the host name or address others reach its metrics at, written into its stats
+            record for ``fuseserve top`` (default: this host's name; a Kubernetes pod passes its IP).
     """
 
     def __init__(
@@ -99,8 +101,10 @@ class SchedulerService:
         consumer: str | None = None,
         metrics_port: int | None = None,
         timings: messages.LeaseTimings | None = None,
+        advertise_host: str | None = None,
     ):
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.advertise_host = advertise_host or socket.gethostname()
         self.config = config
         self.timings = timings or messages.LeaseTimings()
         self.claims = RequestClaims(self.r)
@@ -110,7 +114,7 @@ class SchedulerService:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owners: dict[int, _Owner] = {}
         self.inbox = RedisInbox(self.r, self.consumer, wake=self.core.wakeup)
-        self.conn = redis_io.LoopConnection(self.r)  # the loop's writes and periodic reads
+        self.conn = redis_io.LoopConnection(self.r, self.consumer)  # the loop's writes and periodic reads
         self.num_taken_over = 0  # pending requests taken over from dead schedulers
         self.metrics = SchedulerMetrics(metrics_port, config.max_loras)
         self.leases = WorkerLeases(
@@ -389,7 +393,13 @@ def run_scheduler(args: argparse.Namespace) -> int:
     """Entry point of ``fuseserve scheduler``: run until SIGTERM / SIGINT, then drain and exit."""
     config = from_cli_args(EngineConfig, args)  # the engine options the scheduler offers
     timings = messages.LeaseTimings(args.lease_ttl)
-    service = SchedulerService(args.redis_url, config, metrics_port=args.metrics_port, timings=timings)
+    service = SchedulerService(
+        args.redis_url,
+        config,
+        metrics_port=args.metrics_port,
+        timings=timings,
+        advertise_host=args.advertise_host,
+    )
     stop = threading.Event()
     watched = (service, DrainSignal(args.drain_timeout).install(), stop)
     threading.Thread(target=scheduler_drain.watch, args=watched, name="drain", daemon=True).start()

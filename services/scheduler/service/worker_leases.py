@@ -142,7 +142,7 @@ class WorkerLeases:
             # claims below (this scheduler's or another's) can take it again once it is back
             log.info("worker %s was lost; releasing its lease", wid)
             self.drop(wid)
-        workers = self.core.workers
+        workers, scheduler = self.core.workers, self.core.scheduler
         lost_now, self._lost = self._lost, set()
         for wid in list(workers):
             lost = wid in lost_now
@@ -151,14 +151,17 @@ class WorkerLeases:
                     "worker %s is gone%s; resuming its sequences elsewhere", wid, " (lease lost)" * lost
                 )
                 self.drop(wid)
-            elif records[wid].draining:
+                continue
+            slot = scheduler.slots.get(wid)
+            if slot is not None:  # adapters loaded or unloaded at runtime change what it advertises
+                slot.lora_adapters = frozenset(records[wid].lora_adapters)
+            if records[wid].draining:
                 self.core.drain_worker(wid)  # no new sequences there; its running ones finish
         share = math.ceil(len(records) / max(1, live))
         for wid, rec in records.items():
             if wid in self.core.workers or len(self.core.workers) >= share or rec.draining:
                 continue
             self._claim(wid, rec)
-        scheduler = self.core.scheduler
         if len(self.core.workers) > share:  # another scheduler has fewer: hand over an idle worker
             for wid, slot in list(scheduler.slots.items()):
                 if not (slot.running or slot.inflight or slot.pending_free):
