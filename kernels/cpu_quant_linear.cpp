@@ -1,16 +1,19 @@
-// Weight-only quantized matmul for a few rows (decode) on CPUs: y[M, N] = x[M, K] W^T with
+// Weight-only quantized matmul on CPUs: y[M, N] = x[M, K] W^T with
 // W[n, k] = q[n, k] * scale[n, k / G] + offset[n, k / G], q unsigned integers of 4 or 8 bits.
 //
 // Built at first use by fuseserve/kernels/cpu_quant_linear.py (g++ with torch's headers, -O3
-// -march=native -fopenmp), registered as torch.ops.fuseserve_cpu_quant.quant_gemv. Layout of the
-// integers (the Triton kernel's, kernels/triton_quant_linear.py): 4-bit rows of K / 2 bytes where byte
-// j of each 32-value block holds value j (low nibble) and value 16 + j (high nibble); 8-bit rows of K
-// bytes. K and G are multiples of 32.
+// -march=native -fopenmp), registered as torch.ops.fuseserve_cpu_quant.quant_gemv (few rows) and
+// .dequantize (the whole W, for passes of many rows). Layout of the integers (the Triton kernel's,
+// kernels/triton_quant_linear.py): 4-bit rows of K / 2 bytes where byte j of each 32-value block holds
+// value j (low nibble) and value 16 + j (high nibble); 8-bit rows of K bytes. K and G are multiples
+// of 32.
 //
-// Work split: output features in parallel (at::parallel_for). Per output feature and 32-value block,
-// the integers are widened to fp32 once and dotted with every row of x (vectorised over the block);
-// per group the dot is scaled and the offset added as offset * sum(x over the group), so the
-// weight is read once per call whatever M is: memory traffic is that of the packed weight.
+// quant_gemv: output features in parallel (at::parallel_for). Up to 4 rows of x, each weight block
+// is dequantized in registers and dotted with every row at once; more rows: each weight row is
+// dequantized once, 16 lanes at a time, into an fp32 row buffer (K floats: L1/L2-resident), then
+// dotted with the rows of x four at a time (four 16-lane accumulators share each load of the buffer). The weight is read
+// once per call whatever M is, so a decode pass moves the packed bytes, not an fp32 copy; the row's
+// dequantized values equal the reference's (q * scale + offset in fp32).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,65 +21,168 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
+// 16 lanes: one AVX-512 register, two AVX2 ones (GCC / Clang vector extensions, no intrinsics).
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// uint8 -> float through uint16 and int32: GCC 12 scalarises a direct uint8 -> float conversion (16
+// scalar converts), and uint8 -> int32 too for bytes straight from memory (16 byte inserts); each
+// step here is one zero-extension per register (checked in the assembly, both bit widths).
+typedef uint16_t v16s __attribute__((vector_size(32)));
+inline v16 to_float(v16b b) {
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, v16s), v16i), v16);
+}
+
+// 16 bytes at p, read as one vector (an unaligned vector type: a memcpy into v16b went through
+// general registers byte by byte in the 8-bit path).
+typedef uint8_t v16b_unaligned __attribute__((vector_size(16), aligned(1), may_alias));
+inline v16b load_bytes(const uint8_t* p) { return *reinterpret_cast<const v16b_unaligned*>(p); }
+
+inline v16 widen(const uint8_t* p) { return to_float(load_bytes(p)); }
+
+inline float hsum(v16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// Row n of W (its packed bytes wr, its scales s and offsets o per group), dequantized 32 values at
+// a time: f(blk, lo, hi) gets block blk's values 32 blk .. 32 blk + 15 (lo) and the next 16 (hi),
+// q * scale + offset in fp32.
+template <class F>
+inline void for_each_block(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
+                           int64_t bits, F&& f) {
+  const int64_t blocks_per_group = group / 32;
+  for (int64_t g = 0; g < K / group; ++g) {
+    const v16 sv = v16{} + s[g], ov = v16{} + o[g];
+    for (int64_t blk = g * blocks_per_group; blk < (g + 1) * blocks_per_group; ++blk) {
+      v16 lo, hi;
+      if (bits <= 4) {
+        const v16b b = load_bytes(wr + blk * 16);
+        lo = to_float(b & 15);
+        hi = to_float(b >> 4);
+      } else {
+        lo = widen(wr + blk * 32);
+        hi = widen(wr + blk * 32 + 16);
+      }
+      f(blk, lo * sv + ov, hi * sv + ov);
+    }
+  }
+}
+
+// Row n of W into out[K], fp32.
+inline void dequant_row(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
+                        int64_t bits, float* out) {
+  for_each_block(wr, s, o, K, group, bits, [&](int64_t blk, v16 lo, v16 hi) {
+    store(out + blk * 32, lo);
+    store(out + blk * 32 + 16, hi);
+  });
+}
+
+// y[t * N] = x[t] . W[n] for the T rows of x at X (rows K apart), dequantizing W[n] block by block in
+// registers (no row buffer): for passes of at most 4 rows, where the buffer's store and reload cost
+// more than widening.
+template <int T>
+inline void fused_row(const uint8_t* wr, const float* s, const float* o, int64_t K, int64_t group,
+                      int64_t bits, const float* X, float* y, int64_t N) {
+  v16 acc[T] = {};
+  for_each_block(wr, s, o, K, group, bits, [&](int64_t blk, v16 lo, v16 hi) {
+    for (int t = 0; t < T; ++t) acc[t] += load(X + t * K + blk * 32) * lo + load(X + t * K + blk * 32 + 16) * hi;
+  });
+  for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
+}
+
+// y[m * N] = x[m] . w for the T rows of x starting at X (rows K apart), K a multiple of 16.
+template <int T>
+inline void dot_rows(const float* w, const float* X, int64_t K, float* y, int64_t N) {
+  v16 acc[T] = {};
+  for (int64_t k = 0; k < K; k += 16) {
+    const v16 wv = load(w + k);
+    for (int t = 0; t < T; ++t) acc[t] += load(X + t * K + k) * wv;
+  }
+  for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
+}
+
+void check(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t K,
+           int64_t bits, int64_t group) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous(), "w: contiguous uint8");
+  TORCH_CHECK(scale.dtype() == at::kFloat && offset.dtype() == at::kFloat, "scale, offset: float32");
+  TORCH_CHECK(scale.is_contiguous() && offset.is_contiguous(), "scale, offset: contiguous");
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && scale.size(1) * group == K, "K and group: multiples of 32");
+  TORCH_CHECK(w.size(0) == scale.size(0) && w.size(1) == (bits <= 4 ? K / 2 : K),
+              "w: [N, K / 2] (4-bit) or [N, K] (8-bit)");
+}
+
 void quant_gemv(at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                 const at::Tensor& offset, int64_t bits, int64_t group) {
   TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 [M, K]");
-  TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous(), "w: contiguous uint8");
-  TORCH_CHECK(scale.dtype() == at::kFloat && offset.dtype() == at::kFloat, "scale, offset: float32");
-  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), num_groups = scale.size(1);
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && num_groups * group == K, "K and group: multiples of 32");
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), G = scale.size(1);
+  check(w, scale, offset, K, bits, group);
+  TORCH_CHECK(y.dtype() == at::kFloat && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y: [M, N]");
   const int64_t row_bytes = bits <= 4 ? K / 2 : K;
-  TORCH_CHECK(w.size(0) == N && w.size(1) == row_bytes, "w: [N, K / 2] (4-bit) or [N, K] (8-bit)");
   const float* X = x.data_ptr<float>();
   const uint8_t* W = w.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* O = offset.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  const int64_t blocks_per_group = group / 32;
-  std::vector<float> xsum(M * num_groups, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < num_groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += X[m * K + k];
-      xsum[m * num_groups + g] = s;
-    }
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    std::vector<float> acc(M), dot(M);
-    alignas(32) float wv[32];
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = W + n * row_bytes;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < num_groups; ++g) {
-        std::fill(dot.begin(), dot.end(), 0.f);
-        for (int64_t b = 0; b < blocks_per_group; ++b) {
-          const int64_t blk = g * blocks_per_group + b;
-          if (bits <= 4) {
-            const uint8_t* p = wr + blk * 16;
-            for (int j = 0; j < 16; ++j) {
-              wv[j] = static_cast<float>(p[j] & 15);
-              wv[16 + j] = static_cast<float>(p[j] >> 4);
-            }
-          } else {
-            const uint8_t* p = wr + blk * 32;
-            for (int j = 0; j < 32; ++j) wv[j] = static_cast<float>(p[j]);
-          }
-          for (int64_t m = 0; m < M; ++m) {
-            const float* xr = X + m * K + blk * 32;
-            float d = 0.f;
-#pragma omp simd reduction(+ : d)
-            for (int j = 0; j < 32; ++j) d += xr[j] * wv[j];
-            dot[m] += d;
-          }
+  if (M == 0) return;
+  if (M <= 4) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wr = W + n * row_bytes;
+        switch (M) {
+          case 4: fused_row<4>(wr, S + n * G, O + n * G, K, group, bits, X, Y + n, N); break;
+          case 3: fused_row<3>(wr, S + n * G, O + n * G, K, group, bits, X, Y + n, N); break;
+          case 2: fused_row<2>(wr, S + n * G, O + n * G, K, group, bits, X, Y + n, N); break;
+          default: fused_row<1>(wr, S + n * G, O + n * G, K, group, bits, X, Y + n, N); break;
         }
-        const float s = S[n * num_groups + g], o = O[n * num_groups + g];
-        for (int64_t m = 0; m < M; ++m) acc[m] += dot[m] * s + xsum[m * num_groups + g] * o;
       }
-      for (int64_t m = 0; m < M; ++m) Y[m * N + n] = acc[m];
+    });
+    return;
+  }
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      dequant_row(W + n * row_bytes, S + n * G, O + n * G, K, group, bits, row.data());
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) dot_rows<4>(row.data(), X + m * K, K, Y + m * N + n, N);
+      switch (M - m) {
+        case 3: dot_rows<3>(row.data(), X + m * K, K, Y + m * N + n, N); break;
+        case 2: dot_rows<2>(row.data(), X + m * K, K, Y + m * N + n, N); break;
+        case 1: dot_rows<1>(row.data(), X + m * K, K, Y + m * N + n, N); break;
+        default: break;
+      }
     }
+  });
+}
+
+void dequantize(at::Tensor& out, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
+                int64_t bits, int64_t group) {
+  const int64_t N = scale.size(0), G = scale.size(1), K = G * group;
+  check(w, scale, offset, K, bits, group);
+  TORCH_CHECK(out.dtype() == at::kFloat && out.is_contiguous() && out.size(0) == N && out.size(1) == K,
+              "out: contiguous float32 [N, K]");
+  const int64_t row_bytes = bits <= 4 ? K / 2 : K;
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const float* S = scale.data_ptr<float>();
+  const float* O = offset.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) dequant_row(W + n * row_bytes, S + n * G, O + n * G, K, group, bits, out_p + n * K);
   });
 }
 
@@ -84,6 +190,10 @@ void quant_gemv(at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const a
 
 TORCH_LIBRARY(fuseserve_cpu_quant, m) {
   m.def("quant_gemv(Tensor(a!) y, Tensor x, Tensor w, Tensor scale, Tensor offset, int bits, int group) -> ()");
+  m.def("dequantize(Tensor(a!) out, Tensor w, Tensor scale, Tensor offset, int bits, int group) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fuseserve_cpu_quant, CPU, m) { m.impl("quant_gemv", quant_gemv); }
+TORCH_LIBRARY_IMPL(fuseserve_cpu_quant, CPU, m) {
+  m.impl("quant_gemv", quant_gemv);
+  m.impl("dequantize", dequantize);
+}

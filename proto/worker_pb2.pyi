@@ -23,7 +23,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "block_size", "num_blocks", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype")
+    __slots__ = ("worker_id", "model", "block_size", "num_blocks", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "quantization", "kv_cache_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     block_size: int
@@ -42,7 +44,9 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
     dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    quantization: str
+    kv_cache_dtype: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "include_stop_str_in_output", "json_schema", "regex", "choice", "grammar", "logit_bias")

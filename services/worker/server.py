@@ -100,6 +100,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             eos_token_ids=i.eos_token_ids,
             device=i.device,
             dtype=i.dtype,
+            quantization=i.quantization or "",
+            kv_cache_dtype=i.kv_cache_dtype or "",
         )
 
     def Step(self, request, context):

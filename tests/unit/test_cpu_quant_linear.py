@@ -21,7 +21,7 @@ def _weight(n, k, bits, group, seed=0) -> ql.QuantizedWeight:
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 32), (2, 64)])
-@pytest.mark.parametrize("rows", [1, 3, cq.SMALL_ROWS, cq.SMALL_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, 3, 6, 13, cq.SMALL_ROWS, cq.SMALL_ROWS + 5])
 def test_matches_reference(bits, group, rows):
     w = _weight(37, 256, bits, group)
     kernel = ql.pack(w, torch.float32, torch.device("cpu"), kernel="cpu_gemv")

@@ -1,5 +1,5 @@
-"""What a deployment says about its quantization: the workers' Redis records carry the checkpoint's
-``quant_method`` and the KV cache dtype, ``/v1/models`` reports both, and the gateway resolves a
+"""What a deployment says about its quantization: the workers' Redis records and their gRPC ``Info``
+replies carry the checkpoint's ``quant_method`` and the KV cache dtype, ``/v1/models`` reports both, and the gateway resolves a
 ``.gguf`` model with ``--quantization`` as the workers do (not to a float32 conversion of its own).
 No model, no processes."""
 
@@ -33,6 +33,36 @@ def test_worker_record_carries_quantization_and_kv_dtype_and_reads_old_records()
     old = rec.encode().replace(', "quantization": "gguf", "kv_cache_dtype": "float8_e4m3fn"', "")
     assert "kv_cache_dtype" not in old
     assert WorkerRecord.decode(old).kv_cache_dtype is None
+
+
+def test_info_reply_carries_quantization_and_kv_dtype_over_grpc():
+    from concurrent import futures
+
+    import grpc
+
+    from fuseserve.proto import worker_pb2 as pb
+    from fuseserve.proto import worker_pb2_grpc as pb_grpc
+    from fuseserve.worker.runner import WorkerInfo
+    from fuseserve.worker.server import WorkerServicer
+
+    def info(**kw) -> pb.WorkerInfo:
+        runner = types.SimpleNamespace(info=WorkerInfo(16, 10, 512, 100, [2], "cpu", "float32", **kw))
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, "w0", "m"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                return pb_grpc.WorkerStub(channel).Info(pb.InfoRequest(), timeout=10)
+        finally:
+            server.stop(grace=None)
+
+    got = info(quantization="gguf", kv_cache_dtype="float8_e4m3fn")
+    assert (got.worker_id, got.dtype, got.quantization, got.kv_cache_dtype) == (
+        "w0", "float32", "gguf", "float8_e4m3fn"
+    )  # fmt: skip
+    plain = info()  # float weights, no KV cache (a simulated worker): the fields stay unset
+    assert (plain.quantization, plain.kv_cache_dtype) == ("", "")
 
 
 def test_model_card_reports_quantization_and_kv_cache_dtype():
