@@ -12,6 +12,8 @@ cannot reach a client once the peer has spoken.
 - ``touch_commands`` / ``parse_touch``: the owner's heartbeat re-delivers to itself only the entries it
   still owns (resetting their idle time) and learns which ones a peer has claimed meanwhile, so it
   drops them instead of taking them back (a plain ``XCLAIM`` would steal them back from the peer).
+- ``claim_orphans``: a scheduler's periodic claim of dead schedulers' requests, as many as it has
+  room for.
 - ``ack_command``: a finished request's entry is acknowledged and deleted only while it is still
   pending for this scheduler. A stalled scheduler that comes back and finishes a request a peer has
   taken over meanwhile must not remove the peer's entry: were the peer to die next, nothing would be
@@ -159,3 +161,34 @@ def drop_lost(service) -> None:
         log.warning("a peer took over %d of this scheduler's requests (it stalled); dropped", len(dropped))
         service.num_lost_to_peers += len(dropped)
         service.room_changed = True
+
+
+def orphans_command(service, start: str = "0-0") -> tuple:
+    """The claim of ``service``'s (a ``SchedulerService``) share of dead schedulers' pending requests:
+    as many as it has room for (at most 100), idle past its claim idle time, from ``start``."""
+    idle_ms = service.timings.claim_idle_ms
+    return service.claims.claim_command(service.consumer, min(100, service.room()), idle_ms, start)
+
+
+def claim_orphans(service, first_reply=None) -> None:
+    """Take over pending requests of dead schedulers into ``service`` (a ``SchedulerService``), as
+    many as there is room for. Live schedulers keep theirs fresh (``touch_commands``).
+    ``first_reply``: the raw reply of the first ``orphans_command`` when it was sent already (the
+    periodic round trip)."""
+    start = "0-0"
+    while first_reply is not None or service.room() > 0:
+        if first_reply is None:
+            reply = service.conn.call([orphans_command(service, start)])[0]
+        else:
+            reply, first_reply = first_reply, None
+        if not service.claims.reload_if_lost([reply]):
+            return  # Redis restarted without the script: claimed at the next round
+        if isinstance(reply, redis.ResponseError):
+            raise reply  # NOGROUP: ``run`` recreates the group
+        start, entries = parse_claim(reply)
+        if entries:
+            log.warning("took over %d requests of a dead scheduler", len(entries))
+            service.num_taken_over += len(entries)
+        service.add_requests(entries, taken_over=True)
+        if start == "0-0" or not entries:
+            break

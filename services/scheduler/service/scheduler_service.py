@@ -29,6 +29,7 @@ waiting requests to a peer (``scheduler_drain``). ``docs/architecture.md`` walks
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import socket
@@ -137,34 +138,7 @@ class SchedulerService:
         return self.core.scheduler
 
     # ----- requests -----
-    def claim_orphans(self, first_reply=None) -> None:
-        """Take over pending requests of dead schedulers (idle ``CLAIM_IDLE_MS``), as many as there
-        is room for. Live schedulers keep theirs fresh (``heartbeat.touch_commands``).
-        ``first_reply``: the raw reply of the first ``redis_io.claim_command`` when it was sent
-        already (``run_once``)."""
-        start = "0-0"
-        while first_reply is not None or self.room() > 0:
-            if first_reply is None:
-                reply = self.conn.call([self._claim_command(start)])[0]
-            else:
-                reply, first_reply = first_reply, None
-            if not self.claims.reload_if_lost([reply]):
-                return  # Redis restarted without the script: claimed at the next round
-            redis_io.raise_first_error([reply])  # NOGROUP: ``run`` recreates the group
-            start, entries = request_claims.parse_claim(reply)
-            if entries:
-                log.warning("took over %d requests of a dead scheduler", len(entries))
-                self.num_taken_over += len(entries)
-            self._add_requests(entries, taken_over=True)
-            if start == "0-0" or not entries:
-                break
-
-    def _claim_command(self, start: str = "0-0") -> tuple:
-        return self.claims.claim_command(
-            self.consumer, min(100, self.room()), self.timings.claim_idle_ms, start
-        )
-
-    def _add_requests(self, entries, taken_over: bool = False) -> None:
+    def add_requests(self, entries, taken_over: bool = False) -> None:
         """Add request entries: ``(entry_id, fields)`` as read, or ``(entry_id, fields, delivery
         count)`` as taken over (``request_claims.parse_claim``)."""
         errors: dict[str, list[TokenEvent]] = defaultdict(list)
@@ -220,7 +194,7 @@ class SchedulerService:
         batches, nogroup = 0, False
         for kind, entries in self.inbox.take():
             if kind == redis_io.REQUESTS:
-                self._add_requests(entries)
+                self.add_requests(entries)
                 batches += 1
             elif kind == redis_io.CONTROL:
                 self._apply_control(entries)
@@ -325,8 +299,8 @@ class SchedulerService:
         if now - self._last_claim >= CLAIM_INTERVAL_S:
             self._last_claim = now
             if self.room() > 0:
-                commands.append(self._claim_command())
-                then.append(self.claim_orphans)
+                commands.append(request_claims.orphans_command(self))
+                then.append(functools.partial(request_claims.claim_orphans, self))
         if now - self._last_trim >= CONTROL_TRIM_INTERVAL_S:
             commands.append(redis_io.trim_control_command())
             then.append(redis_io.raise_first_error_of)
