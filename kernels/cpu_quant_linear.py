@@ -4,8 +4,9 @@
 dequantizes each weight row into an fp32 row buffer (16 lanes at a time) and dots it with every row
 of ``x``: the memory traffic of a decode pass is that of the packed weight, not of an fp32 copy. Layout: the
 Triton kernel's (``fuseserve.kernels.triton_quant_linear.pack_weight``). Passes of more than
-``SMALL_ROWS`` rows dequantize the same tensors and call ``F.linear`` (a GEMM reuses each weight
-across rows, where the dequantized copy costs little).
+``SMALL_ROWS`` rows dequantize ``WIDEN_CHUNK`` weight rows at a time and multiply them as a GEMM
+(``widened_matmul``: a GEMM reuses each weight across rows, where the dequantized chunk costs little).
+``Bf16Linear`` runs the same two paths for a float weight kept in bfloat16.
 
 Build: as the CPU attention operator (``fuseserve.kernels.cpu_attention``): ``c++`` (or ``$CXX``)
 compiles the source at first use into ``~/.cache/fuseserve/extensions/`` (``$FUSESERVE_EXTENSIONS_DIR``),
@@ -22,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quant_linear.cpp")
 SMALL_ROWS = 32
-"""Passes of at most this many rows run the C++ kernel; larger ones dequantize (the C++ operator) and
-call ``F.linear``. Measured on 4-bit SmolLM2 and 1B LLaMA shapes (AVX-512, 2 threads, fp32): the
-kernel is the faster up to 16-32 rows, even at 48-64, and 1.1-2x slower from 96 rows on (a GEMM
-reuses each weight across rows, so the per-call fp32 copy costs less than the kernel's dot products)."""
+"""Passes of at most this many rows run the C++ kernel; larger ones ``widened_matmul``. Measured on
+4-bit SmolLM2 and 1B LLaMA shapes (AVX-512, 2 threads, fp32) against dequantizing the whole matrix
+per call: the kernel was the faster up to 16-32 rows, even at 48-64, and 1.1-2x slower from 96 rows
+on. The chunked ``widened_matmul`` beat the whole-matrix path 1.3-2.5x at 64 rows (16384 x 2048: 138
+vs 185 ms; 2048 x 8192: 18 vs 45; 3072 x 2048: 5.8 vs 13.7, loaded machine), so the crossover may now
+lie lower; not re-measured on a quiet machine."""
 
 
 def _library_path(cxx: str) -> Path:
@@ -98,7 +102,7 @@ def available() -> bool:
 
 
 class CpuQuantGemv(PackedLinear):
-    """The C++ kernel up to ``SMALL_ROWS`` rows, dequantize + ``F.linear`` above; fp32 compute;
+    """The C++ kernel up to ``SMALL_ROWS`` rows, ``widened_matmul`` above; fp32 compute;
     bits <= 8, K and group multiples of 32."""
 
     name = "cpu_gemv"
@@ -123,9 +127,91 @@ class CpuQuantGemv(PackedLinear):
         return w
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > SMALL_ROWS:
-            return F.linear(x, self.weight())
         t = self.tensors
+        if x.shape[0] > SMALL_ROWS:
+            dequantize = torch.ops.fuseserve_cpu_quant.dequantize
+            return widened_matmul(
+                x,
+                self.out_features,
+                lambda s, e, out: dequantize(
+                    out, t["w"][s:e], t["scale"][s:e], t["offset"][s:e], self.bits, self.group
+                ),
+            )
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         torch.ops.fuseserve_cpu_quant.quant_gemv(y, x, t["w"], t["scale"], t["offset"], self.bits, self.group)
         return y
+
+
+BF16_SMALL_ROWS = 8
+"""``Bf16Linear``: passes of at most this many rows run the C++ kernel; larger ones widen
+``WIDEN_CHUNK`` weight rows at a time and multiply. Measured on the 128256 x 2048 LM head (AVX-512, 2
+threads, ms): 1 row 25 (fp32 ``F.linear`` 60), 8 rows 98 vs chunked 129, 16 rows 136 vs 107, 64 rows
+chunked 244 (fp32 624)."""
+WIDEN_CHUNK = 512
+"""Weight rows widened to fp32 at a time above the kernels' row limits (4 MiB at K = 2048)."""
+
+
+class Bf16Linear(PackedLinear):
+    """A float weight kept as bfloat16 with fp32 compute: the C++ kernel widens each value exactly up
+    to ``BF16_SMALL_ROWS`` rows (2 bytes read per weight, not 4); above, ``WIDEN_CHUNK`` weight rows
+    at a time are widened to fp32 and multiplied (``W_chunk @ x^T`` into rows of ``y^T``). ``rows(ids)``
+    is its embedding lookup. Equal to ``F.linear`` on the fp32 copy up to summation order; K a
+    multiple of 32."""
+
+    name = "bf16_widen"
+
+    def __init__(self, weight: torch.Tensor):
+        """``weight [N, K]``, any float dtype whose values bfloat16 holds exactly (``exact_bf16``)."""
+        load()
+        self.out_features, self.in_features = weight.shape
+        self.dtype, self.perm = torch.float32, None
+        self.tensors = {"weight": weight.to(torch.bfloat16).contiguous()}
+
+    @staticmethod
+    def accepts(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is a 2-D CPU float tensor, K a multiple of 32, every value exact in bf16."""
+        return (
+            weight.device.type == "cpu"
+            and weight.dim() == 2
+            and weight.shape[1] % 32 == 0
+            and weight.is_floating_point()
+            and exact_bf16(weight)
+        )
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [T]`` → ``[T, K]`` fp32 (an embedding lookup)."""
+        return F.embedding(ids, self.tensors["weight"]).float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.tensors["weight"]
+        if x.shape[0] <= BF16_SMALL_ROWS:
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            torch.ops.fuseserve_cpu_quant.bf16_gemv(y, x, w)
+            return y
+        return widened_matmul(x, self.out_features, lambda s, e, out: out.copy_(w[s:e]))
+
+
+def widened_matmul(x: torch.Tensor, n: int, widen: Callable[[int, int, torch.Tensor], Any]) -> torch.Tensor:
+    """``x [M, K] @ W^T`` → ``[M, n]`` fp32, ``W [n, K]`` never whole in fp32: ``widen(start, end, out)``
+    writes its rows ``start:end`` into ``out [end - start, K]`` (fp32), ``WIDEN_CHUNK`` rows at a time,
+    each chunk multiplied at once (``chunk @ x^T`` into rows of ``y^T``: the chunk stays in cache)."""
+    yt = torch.empty(n, x.shape[0], dtype=torch.float32)
+    buf = torch.empty(min(WIDEN_CHUNK, n), x.shape[1], dtype=torch.float32)
+    for start in range(0, n, WIDEN_CHUNK):
+        end = min(start + WIDEN_CHUNK, n)
+        widen(start, end, buf[: end - start])
+        torch.mm(buf[: end - start], x.t(), out=yt[start:end])
+    return yt.t().contiguous()
+
+
+def exact_bf16(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """Whether every value of the float tensor ``t`` is exactly a bfloat16 value (true of a bf16
+    checkpoint widened to fp32 on load), tested ``chunk`` values at a time."""
+    if t.dtype == torch.bfloat16:
+        return True
+    flat = t.detach().reshape(-1)
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start : start + chunk]
+        if not torch.equal(part.to(torch.bfloat16).to(part.dtype), part):
+            return False
+    return True

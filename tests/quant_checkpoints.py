@@ -103,6 +103,8 @@ def write_quantized(hf, path, fmt: str, bits: int = 4, group: int = 32, sym: boo
             deq = dequantize(q, scale, zero, gi)
             state.update(_format_tensors(fmt, name, q, scale, zero, bits, gi, g_idx is not None, sym, opt))
         hf.get_submodule(name).weight.data.copy_(deq)
+    if getattr(hf.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # as save_pretrained: a tied LM head is not stored
     qc = _config(fmt, bits, group, sym, opt)
     path.mkdir(parents=True, exist_ok=True)
     save_file(

@@ -21,7 +21,7 @@ from fuseserve.kernels.kv_quant import kv_cache_dtype
 from fuseserve.model_source import quantization_method
 from fuseserve.structured import model_grammar_backend
 from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, StepResult, TokenLogprob
-from fuseserve.worker import compiled_forward, kv_migration, parallel, prepacked_linear
+from fuseserve.worker import compiled_forward, kv_migration, parallel, prepacked_linear, quantization
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.compiled_forward import CompiledForward
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
@@ -67,6 +67,7 @@ class ModelRunner:
         self.dtype = parse_dtype(self.config.dtype, self.device)
         self.hf_config = hf_config
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
+        quantization.keep_float_weights_bf16(self.model)  # a quantized model's bf16 embedding / LM head
         if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
             prepacked_linear.prepack(self.model)  # fp32, bf16 where native; FUSESERVE_PREPACK=0 off
         self.lora = self._load_adapters()

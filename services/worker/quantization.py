@@ -261,11 +261,47 @@ def weight_bytes(model: nn.Module) -> int:
     """Resident bytes of the model's weights: parameters, buffers (a prepacked float weight is one)
     and packed quantized weights; the rotary tables (``cos``, ``sin``) excluded."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    counted: set[int] = set()  # a tied embedding and LM head share one packed weight
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if isinstance(packed, ql.PackedLinear):
+        if isinstance(packed, ql.PackedLinear) and id(packed) not in counted:
+            counted.add(id(packed))
             total += packed.nbytes()
         for key, buf in module._buffers.items():
             if buf is not None and key not in ("cos", "sin"):
                 total += buf.numel() * buf.element_size()
     return total
+
+
+def keep_float_weights_bf16(model: nn.Module) -> int:
+    """In a quantized model computing in fp32 on one CPU rank, keep the float embedding and LM head
+    as bfloat16 when every value is one (a bf16 checkpoint's: GPTQ and llm-compressor leave these
+    float): the embedding widens the rows it looks up, the LM head multiplies through the C++
+    widening kernel (``cpu_quant_linear.Bf16Linear``), exactly the fp32 weights at half the bytes
+    resident and read per token. A tied pair shares one tensor. Returns the bytes saved (0 when
+    the model is not such a model, or the kernel is unavailable)."""
+    from fuseserve.kernels import cpu_quant_linear
+
+    quantized = any(is_quantized(m) for m in model.modules())
+    if not quantized or parallel.world()[1] != 1 or not cpu_quant_linear.available():
+        return 0
+    shared: dict[int, cpu_quant_linear.Bf16Linear] = {}
+    saved = 0
+    for module in model.modules():
+        if type(module) not in (VocabParallelEmbedding, ParallelLMHead):
+            continue
+        w = module.weight
+        if w.dtype != torch.float32 or (id(w) not in shared and not cpu_quant_linear.Bf16Linear.accepts(w)):
+            continue
+        if id(w) not in shared:
+            shared[id(w)] = cpu_quant_linear.Bf16Linear(w)
+            saved += w.numel() * 2
+        is_embedding = isinstance(module, VocabParallelEmbedding)
+        module.__class__ = _quantized_class(
+            type(module), QuantizedEmbeddingMixin if is_embedding else QuantizedLinearMixin
+        )
+        module.packed = shared[id(w)]
+        module.register_parameter("weight", None)
+    if saved:
+        log.info("float embedding / LM head kept in bfloat16 (exact): %.0f MiB saved", saved / 2**20)
+    return saved
