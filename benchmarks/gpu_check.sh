@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one script, under 5 minutes on one H200, all results in one folder.
+# The prepared GPU check: one script, under 9 minutes on one H200, all results in one folder.
 #
 #   benchmarks/gpu_check.sh                 on the GPU machine, from anywhere (it cds to the repository)
 #   benchmarks/gpu_check.sh --dry-run       on a CPU machine: tiny shapes, interpreted Triton (checks the script)
@@ -22,6 +22,9 @@
 #                (torch, Triton, flash-attn if installed, PyTorch FlexAttention as a peer)
 #   llama2-7b    Llama-2-7B-shaped random model: parity, pass times, then the paper's workload through
 #                the pipeline (prompt/output means 2600/60, std 0.3 x mean; clients 1, 4, 16)
+#   int4-7b      the same model written as GPTQ 4-bit (groups of 128): greedy parity with transformers on
+#                the dequantized weights, kernel per layer shape, decode tok/s at batch 1 / 16 against
+#                the bf16 model (benchmarks/gpu_check_quant.py)
 #
 # What the GPU machine has: Python 3.12, torch (CUDA), Triton, transformers, grpcio, protobuf,
 # prometheus-client; no network, no fastapi/uvicorn/redis/gguf/flash-attn. fuseserve is not installed
@@ -108,8 +111,9 @@ if [ "$MODE" = dry ]; then
     tests/unit/test_flash_attn_kernel.py tests/unit/test_fp8_kv_cache.py tests/unit/test_lora_kernels.py --junitxml="$OUT/kernel_tests.xml"
   run tiny 300 "${CHECK[@]}" model "$OUT" tiny workload
   run attention 120 "${CHECK[@]}" attention "$OUT" tiny
+  run int4 180 "$PY" -m benchmarks.gpu_check_quant "$OUT" tiny
 else
-  # time limits add up to 290 s
+  # time limits add up to 530 s
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
   run env 20 "${CHECK[@]}" env "$OUT"
   if PYTHONPATH=$TEST_PATH "$PY" -c "import pytest" 2>/dev/null; then
@@ -123,6 +127,7 @@ else
   run smollm2 50 "${CHECK[@]}" model "$OUT" smollm2
   run attention 50 "${CHECK[@]}" attention "$OUT"
   run llama2-7b 95 "${CHECK[@]}" model "$OUT" llama2-7b workload
+  run int4-7b 240 "$PY" -m benchmarks.gpu_check_quant "$OUT" llama2-7b
 fi
 rm -rf "$GPU_CHECK_MODELS"
 echo "total $((SECONDS - START)) s; results in $OUT" | tee -a "$OUT/summary.txt"
