@@ -13,6 +13,10 @@ bf16 logits are no farther from fp32's than transformers' bf16 logits are.
 
 Under either rule the continuations legitimately differ after the first divergence and are not
 compared.
+
+Mixtures of experts: where a token's k-th and (k+1)-th routing probabilities are less than
+``ROUTER_TIE`` apart (``router_gaps``), fp32 rounding may send it to the other expert, and the
+logits from there on legitimately differ.
 """
 
 from __future__ import annotations
@@ -40,6 +44,53 @@ and with ATen and oneDNN held to AVX2 alike. A real precision loss is larger: th
 bf16 instead of fp32 made SmolLM2's ratio 1.18 on the mean and 1.41 on the max. A mixture-of-experts
 router near-tie that one side routes differently at a greedy step would exceed both (none measured).
 """
+
+
+ROUTER_TIE = 1e-5
+"""Largest gap between the k-th and (k+1)-th routing probability at which either expert may be chosen."""
+
+
+def router_gaps(hf, ids: list[int]) -> torch.Tensor:
+    """``[len(ids)]``: per token, the smallest gap between the k-th and (k+1)-th routing probability
+    over the layers of the ``transformers`` mixture of experts ``hf`` (its ``mlp.gate`` routers)."""
+    k = hf.config.num_experts_per_tok
+    gaps: list[torch.Tensor] = []
+
+    def hook(_module, _inp, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        top = torch.softmax(logits.float(), dim=-1).topk(k + 1, dim=-1).values
+        gaps.append((top[..., k - 1] - top[..., k]).reshape(len(ids)))
+
+    gates = [m for name, m in hf.named_modules() if name.endswith("mlp.gate")]
+    assert gates, "guard: the router's module was not found (transformers renamed it?)"
+    handles = [g.register_forward_hook(hook) for g in gates]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(gaps).amin(0)
+
+
+def assert_moe_matches(
+    hf, ids: list[int], ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], *, what: str
+) -> None:
+    """The fp32 rule for a mixture of experts ``hf`` on prompt ``ids``: fuseserve's greedy tokens
+    ``ours`` equal transformers' (``hf_greedy``) up to a divergence at a near-tie of the two tokens'
+    logits (< ``NEAR_TIE``) or of the router on the tokens before it (< ``ROUTER_TIE``); a failure
+    prints both margins, so a routing tie is told apart from a real difference."""
+    step = next((j for j, (a, b) in enumerate(zip(ours, ref_tokens, strict=False)) if a != b), None)
+    if step is None:
+        assert len(ours) == len(ref_tokens), f"{what}: {ours} vs {ref_tokens}"
+        return
+    gap = abs((ref_logits[step][ref_tokens[step]] - ref_logits[step][ours[step]]).item())
+    margin = router_gaps(hf, ids + ref_tokens[:step]).min().item()
+    assert gap < NEAR_TIE or margin < ROUTER_TIE, (
+        f"{what}: token {step} is {ours[step]}, transformers {ref_tokens[step]}; logit gap {gap:.2e} "
+        f"(tie < {NEAR_TIE}), router margin {margin:.2e} (tie < {ROUTER_TIE})"
+    )
+    print(f"{what}: accepted divergence at token {step} (logit gap {gap:.2e}, router margin {margin:.2e})")
 
 
 def hf_greedy(hf, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -4,17 +4,23 @@
 ``transformers`` model ``hf`` to the nearest grid point (groups along the input features), writes
 the checkpoint in format ``fmt`` (``gptq``, ``awq``, ``ct-int``, ``ct-fp8``) and puts the dequantized
 weights back into ``hf``, which is then the reference: ``transformers`` running exactly the weights
-the checkpoint encodes. The layouts are those ``services/worker/quant_formats.py`` documents; the
-packing here is written independently of its unpacking (shifts into words, not the reverse of it).
+the checkpoint encodes. It starts from the tensors ``save_pretrained`` writes, so mixture-of-experts
+weights are quantized per expert under the names quantized hub checkpoints use
+(``block_sparse_moe.experts.{e}.w1`` for Mixtral, ``mlp.experts.{e}.gate_proj`` for Qwen3-MoE; the
+router stays float), and the reference gets them back through ``from_pretrained``. The layouts are
+those ``services/worker/quant_formats.py`` documents; the packing here is written independently of
+its unpacking (shifts into words, not the reverse of it).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import tempfile
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column ORDER[i]
 
@@ -63,8 +69,31 @@ def dequantize(q, scale, zero, g_idx):
     return scale[:, g_idx] * (q.float() - zero[:, g_idx])
 
 
-def _quantized_linears(hf) -> list[str]:
-    return [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+def _on_disk_state(hf) -> dict[str, torch.Tensor]:
+    """The tensors ``hf.save_pretrained`` writes, by their on-disk names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        return {
+            k: v for f in sorted(pathlib.Path(tmp).glob("*.safetensors")) for k, v in load_file(f).items()
+        }
+
+
+def _quantized_linears(state: dict[str, torch.Tensor]) -> list[str]:
+    """The linear layers of the decoder blocks, by on-disk name (routers, ``....gate``, stay float)."""
+    return [
+        k.removesuffix(".weight")
+        for k, v in state.items()
+        if ".layers." in k and k.endswith(".weight") and v.dim() == 2 and not k.endswith(".gate.weight")
+    ]
+
+
+def _load_reference(hf, state: dict[str, torch.Tensor]) -> None:
+    """Put the float ``state`` (on-disk names) into ``hf`` through ``from_pretrained``'s own conversion."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.config.save_pretrained(tmp)
+        save_file(state, f"{tmp}/model.safetensors", {"format": "pt"})
+        ref = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    hf.load_state_dict(ref.state_dict())
 
 
 def write_quantized(hf, path, fmt: str, bits: int = 4, group: int = 32, sym: bool = True, **opt) -> dict:
@@ -75,9 +104,10 @@ def write_quantized(hf, path, fmt: str, bits: int = 4, group: int = 32, sym: boo
     e4m3 per channel (``strategy="tensor"`` for one scale). Returns the ``quantization_config``.
     """
     path = pathlib.Path(path)
-    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    state = _on_disk_state(hf)
+    reference = dict(state)  # the float weights the checkpoint encodes, by on-disk name
     act_orders: dict[tuple, torch.Tensor] = {}  # one order per input: GPTQ's comes from the input's Hessian
-    for name in _quantized_linears(hf):
+    for name in _quantized_linears(state):
         w = state.pop(f"{name}.weight").float()
         n, k = w.shape
         g = k if group == -1 else group
@@ -92,7 +122,7 @@ def write_quantized(hf, path, fmt: str, bits: int = 4, group: int = 32, sym: boo
         else:
             g_idx = None
             if opt.get("desc_act") or opt.get("actorder"):
-                key = (name.rsplit(".", 1)[0], name.endswith(("o_proj", "down_proj")), k)
+                key = (name.rsplit(".", 1)[0], name.endswith(("o_proj", "down_proj", "w2")), k)
                 if key not in act_orders:
                     perm = torch.randperm(k, generator=torch.Generator().manual_seed(len(act_orders)))
                     act_orders[key] = torch.empty(k, dtype=torch.long)
@@ -102,9 +132,8 @@ def write_quantized(hf, path, fmt: str, bits: int = 4, group: int = 32, sym: boo
             gi = torch.arange(k) // g if g_idx is None else g_idx
             deq = dequantize(q, scale, zero, gi)
             state.update(_format_tensors(fmt, name, q, scale, zero, bits, gi, g_idx is not None, sym, opt))
-        hf.get_submodule(name).weight.data.copy_(deq)
-    if getattr(hf.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # as save_pretrained: a tied LM head is not stored
+        reference[f"{name}.weight"] = deq
+    _load_reference(hf, reference)
     qc = _config(fmt, bits, group, sym, opt)
     path.mkdir(parents=True, exist_ok=True)
     save_file(
@@ -181,6 +210,10 @@ def _config(fmt, bits, group, sym, opt) -> dict:
         "quant_method": "compressed-tensors",
         "format": "float-quantized" if fmt == "ct-fp8" else "pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
-        "ignore": ["lm_head"],
+        "ignore": [
+            "lm_head",
+            r"re:.*mlp\.gate$",
+            r"re:.*block_sparse_moe\.gate$",
+        ],  # llm-compressor's MoE recipes
         "quantization_status": "compressed",
     }

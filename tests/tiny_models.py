@@ -4,6 +4,8 @@
   config, a word-level tokenizer of the model's vocabulary, a generation config); returns the
   ``transformers`` model holding the same weights (fp32, eager attention) with its config. Layer norms
   get random offsets so a weight the loader misses shows in the logits.
+- ``add_tokenizer(hf, path)``: that tokenizer and generation config beside weights written otherwise
+  (quantized checkpoints).
 - ``random_model(config)`` / ``write_checkpoint(config, path)``: any config (``llama_config(**kw)``: a
   LLaMA smaller still, for loader and model-source tests), seeded, optionally saved in another dtype or
   sharded.
@@ -184,10 +186,17 @@ def tiny_checkpoint(name: str, path) -> tuple[torch.nn.Module, object]:
             for pname, p in hf.named_parameters():
                 if pname.endswith(("q_proj.weight", "k_proj.weight")):
                     p.mul_(8.0)
-    hf.generation_config = GenerationConfig(eos_token_id=EOS, pad_token_id=EOS)
     hf.save_pretrained(path, safe_serialization=True)
-    _word_tokenizer(config.vocab_size).save_pretrained(path)
+    add_tokenizer(hf, path)
     return hf, config
+
+
+def add_tokenizer(hf, path) -> None:
+    """Give ``hf`` a generation config ending at ``EOS`` and save it, with the word-level tokenizer of
+    its vocabulary, to the checkpoint at ``path`` (what a pipeline needs beside the weights)."""
+    hf.generation_config = GenerationConfig(eos_token_id=EOS, pad_token_id=EOS)
+    hf.generation_config.save_pretrained(path)
+    _word_tokenizer(hf.config.vocab_size).save_pretrained(path)
 
 
 def _word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

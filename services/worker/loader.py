@@ -15,10 +15,11 @@ Model files keep Hugging Face's parameter names and declare:
 - ``tied_weights``: parameters that reuse another when the checkpoint lacks them and the config ties
   them (``tie_word_embeddings``).
 Per-expert checkpoint tensors (``...experts.{e}.{part}.weight``) go into the experts module's fused
-3-D tensors by its ``checkpoint_parts``. Under tensor parallelism (``parallel``) each rank reads only
-its part of each tensor (``shard_source`` of the owning module). A checkpoint with a
-``quantization_config`` has its quantized layers swapped first (``fuseserve.worker.quantization``);
-their raw tensors (``qweight``, ``scales``, ...) go to the layer, which packs them at ``finish``.
+3-D tensors by its ``checkpoint_parts`` (quantized experts keep every raw tensor by expert and part).
+Under tensor parallelism (``parallel``) each rank reads only its part of each tensor (``shard_source``
+of the owning module). A checkpoint with a ``quantization_config`` has its quantized layers swapped
+first (``fuseserve.worker.quantization``); their raw tensors (``qweight``, ``scales``, ...) go to the
+layer, which packs them at ``finish``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.(?P<leaf>\w+)$")
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -275,7 +276,8 @@ class _Loader:
 def resolve_name(model: nn.Module, name: str) -> tuple[str, Any]:
     """A checkpoint tensor's name → (our parameter name, part or None), by the model's
     ``checkpoint_renames``, its experts' ``checkpoint_parts`` and its ``packed_modules_mapping``
-    (``model.layers.0.self_attn.k_proj.weight`` → ``(model.layers.0.self_attn.qkv_proj.weight, "k")``).
+    (``model.layers.0.self_attn.k_proj.weight`` → ``(model.layers.0.self_attn.qkv_proj.weight, "k")``;
+    a quantized expert's ``...experts.3.up_proj.qweight`` → ``(...experts.qweight, (3, "up"))``).
     Also used for LoRA adapters' tensors (``fuseserve.worker.lora_adapter``)."""
     for pattern, replacement in getattr(model, "checkpoint_renames", ()):
         name = re.sub(pattern, replacement, name)
@@ -285,7 +287,10 @@ def resolve_name(model: nn.Module, name: str) -> tuple[str, Any]:
         parts = getattr(experts, "checkpoint_parts", None)
         if parts is not None and m["part"] in parts:
             fused, part = parts[m["part"]]
-            return f"{m['prefix']}.{fused}", (int(m["expert"]), part)
+            if quantization.is_quantized(experts):  # its raw tensors, each leaf by (expert, part)
+                return f"{m['prefix']}.{m['leaf']}", (int(m["expert"]), part)
+            if m["leaf"] == "weight":
+                return f"{m['prefix']}.{fused}", (int(m["expert"]), part)
     for module, (fused, part) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{module}." in name:
             return name.replace(f".{module}.", f".{fused}.", 1), part

@@ -7,7 +7,10 @@ tensor-parallel behaviour, the matmul of ``fuseserve.kernels.quant_linear``) and
 parameter; the loader then hands it the checkpoint's raw tensors (``qweight``, ``scales``, ...), per
 fused part, and ``finalize`` turns them into the canonical ``QuantizedWeight`` (``Scheme.decode``),
 keeps this rank's slice, stacks fused parts and packs the result for the kernel
-``choose_kernel`` measured fastest here.
+``choose_kernel`` measured fastest here. Mixture-of-experts weights are quantized per expert
+(``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``): ``QuantizedExpertsMixin`` packs each
+expert's gate and up as one fused linear and its down as another, decoded, sliced and packed as every
+other layer is; the router stays float (``SparseMoE.float_modules``).
 
 Schemes (``scheme_for``; anything else, or a bit width they do not cover, is refused with
 ``UnsupportedModelError`` naming it):
@@ -139,6 +142,20 @@ class QuantizedEmbeddingMixin:
         return parallel.all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
 
 
+class QuantizedExpertsMixin:
+    """Mixture-of-experts weights that are quantized: ``Experts.forward``'s grouped loop, each expert's
+    matmuls run by its packed weights ``self.packed_experts[e] = (gate_up, down)`` (this rank's
+    ``[2 * inter, hidden]`` and ``[hidden, inter]``)."""
+
+    packed_experts: list[tuple[ql.PackedLinear, ql.PackedLinear]]
+
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self.packed_experts[expert][0](x)
+
+    def down(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        return self.packed_experts[expert][1](h)
+
+
 _SUBCLASSES: dict[type, type] = {}
 
 
@@ -149,7 +166,14 @@ def _quantized_class(cls: type, mixin: type) -> type:
 
 
 def _checkpoint_parts(model: nn.Module, name: str, module: nn.Module) -> dict[Any, str]:
-    """Our module ``name`` → {part (None: the whole module): the checkpoint module it comes from}."""
+    """Our module ``name`` → {part (None: the whole module): the checkpoint module it comes from};
+    experts: {(expert, "gate" | "up" | "down"): ``{name}.{expert}.gate_proj``, ...}."""
+    if hasattr(module, "checkpoint_parts"):  # fused 3-D expert weights, one checkpoint module per part
+        return {
+            (e, part): f"{name}.{e}.{ckpt}"
+            for e in range(module.num_experts)
+            for ckpt, (_, part) in module.checkpoint_parts.items()
+        }
     prefix, _, leaf = name.rpartition(".")
     parts = {
         part: f"{prefix}.{ckpt}" if prefix else ckpt
@@ -160,32 +184,39 @@ def _checkpoint_parts(model: nn.Module, name: str, module: nn.Module) -> dict[An
 
 
 def quantize_modules(model: nn.Module, scheme: Scheme, device: torch.device, dtype: torch.dtype) -> int:
-    """Swap every linear layer (and embedding) ``scheme`` quantizes for its quantized subclass, on the
-    ``meta`` model before loading; returns how many. Raises ``UnsupportedModelError`` for quantized
-    mixture-of-experts weights, or fused parts quantized differently."""
+    """Swap every linear layer (and embedding) ``scheme`` quantizes, and every mixture-of-experts
+    module whose experts it quantizes, for its quantized subclass, on the ``meta`` model before
+    loading; returns how many. Routers stay float. Raises ``UnsupportedModelError`` for fused parts
+    (or experts' parts) quantized differently."""
+    keep_float = {
+        f"{name}.{leaf}" for name, m in model.named_modules() for leaf in getattr(m, "float_modules", ())
+    }
     count = 0
     for name, module in list(model.named_modules()):
-        if hasattr(module, "checkpoint_parts"):  # fused 3-D expert weights
-            probe = f"{name}.0.{next(iter(module.checkpoint_parts))}"
-            if scheme.quantizes(probe):
-                raise UnsupportedModelError(
-                    f"quantized mixture-of-experts weights ({name}) are not supported yet"
-                )
-            continue
+        is_experts = hasattr(module, "checkpoint_parts")
         is_embedding = isinstance(module, VocabParallelEmbedding)
-        if not (isinstance(module, nn.Linear) or (is_embedding and scheme.embeddings)):
+        if name in keep_float or not (
+            is_experts or isinstance(module, nn.Linear) or (is_embedding and scheme.embeddings)
+        ):
             continue
         parts = _checkpoint_parts(model, name, module)
         flags = {scheme.quantizes(ckpt) for ckpt in parts.values()}
         if flags == {False}:
             continue
         if len(flags) > 1:
+            floats = [ckpt for ckpt in parts.values() if not scheme.quantizes(ckpt)]
             raise UnsupportedModelError(
-                f"{name}: its fused parts {list(parts.values())} are not all quantized"
+                f"{name}: its fused parts are not all quantized ({len(floats)} of {len(parts)} "
+                f"float, e.g. {floats[0]})"
             )
-        mixin = QuantizedEmbeddingMixin if is_embedding else QuantizedLinearMixin
+        if is_experts:
+            mixin = QuantizedExpertsMixin
+            for fused, _ in module.checkpoint_parts.values():
+                module.register_parameter(fused, None)
+        else:
+            mixin = QuantizedEmbeddingMixin if is_embedding else QuantizedLinearMixin
+            module.register_parameter("weight", None)  # no float weight: code that checks for one skips it
         module.__class__ = _quantized_class(type(module), mixin)
-        module.register_parameter("weight", None)  # no float weight: code that checks for one skips it
         module.quant_scheme, module.quant_parts = scheme, parts
         module.quant_tensors = {part: {} for part in parts}
         module.quant_target = (torch.device(device), dtype)
@@ -206,30 +237,46 @@ def add_tensor(module: nn.Module, leaf: str, part: Any, tensor: torch.Tensor) ->
 
 
 def finalize(model: nn.Module, path: Any) -> None:
-    """Decode, slice, stack and pack the raw tensors of every quantized module. Raises
-    ``ModelLoadError`` for missing or mis-shaped tensors."""
+    """Decode, slice, stack and pack the raw tensors of every quantized module (experts: each
+    expert's). Raises ``ModelLoadError`` for missing or mis-shaped tensors, or a tensor-parallel slice
+    that does not fall on the weight's groups."""
     for name, module in model.named_modules():
-        if is_quantized(module) and not hasattr(module, "packed"):
-            try:
-                weight = _rank_weight(module)
-            except (ValueError, KeyError) as e:
-                raise ModelLoadError(f"{path}: quantized {name}: {e}") from e
-            device, dtype = module.quant_target
-            want = _local_shape(module)
-            if tuple(weight.shape) != want:
-                raise ModelLoadError(
-                    f"{path}: quantized {name} has shape {tuple(weight.shape)}, expected {want}"
-                )
-            kernel = "dequant" if isinstance(module, VocabParallelEmbedding) else None
-            module.packed = ql.pack(weight, dtype, device, kernel=kernel)
-            module.quant_tensors = None
-            log.debug("%s: %s kernel", name, module.packed.name)
+        if not is_quantized(module) or module.quant_tensors is None:
+            continue
+        device, dtype = module.quant_target
+        try:
+            if isinstance(module, QuantizedExpertsMixin):
+                module.packed_experts = [
+                    tuple(_pack(w, want, dtype, device) for w, want in _expert_weights(module, e))
+                    for e in range(module.num_experts)
+                ]
+            else:
+                kernel = "dequant" if isinstance(module, VocabParallelEmbedding) else None
+                module.packed = _pack(_rank_weight(module), _local_shape(module), dtype, device, kernel)
+                log.debug("%s: %s kernel", name, module.packed.name)
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{path}: quantized {name}: {e}") from e
+        module.quant_tensors = None
+
+
+def _pack(weight, want: tuple[int, int], dtype: torch.dtype, device, kernel: str | None = None):
+    """``ql.pack(weight)`` once its shape is checked against ``want`` (``ValueError`` otherwise)."""
+    if tuple(weight.shape) != want:
+        raise ValueError(f"has shape {tuple(weight.shape)}, expected {want}")
+    return ql.pack(weight, dtype, device, kernel=kernel)
 
 
 def _local_shape(module: nn.Module) -> tuple[int, int]:
     if isinstance(module, VocabParallelEmbedding):
         return module.num_embeddings, module.embedding_dim
     return module.out_features, module.in_features
+
+
+def _stacked_rows(scheme: Scheme, sources: list[tuple[dict, str, int, int]]):
+    """Fused parts stacked by rows: each ``(raw tensors, checkpoint module, start, length)`` decoded and
+    cut to its rows ``[start, start + length)`` (this rank's)."""
+    pieces = [scheme.decode(raw, ckpt).rows(start, length) for raw, ckpt, start, length in sources]
+    return type(pieces[0]).cat_rows(pieces)
 
 
 def _rank_weight(module: nn.Module) -> ql.QuantizedWeight | ql.Float8Weight:
@@ -244,11 +291,10 @@ def _rank_weight(module: nn.Module) -> ql.QuantizedWeight | ql.Float8Weight:
                 pieces.append(full.rows(module.source_starts[part], module.sizes[part]))
                 start += size
             return type(whole).cat_rows(pieces)
-        pieces = []
-        for part, ckpt in parts.items():
-            w = scheme.decode(raw.get(part) or {}, ckpt)
-            pieces.append(w.rows(module.source_starts[part], module.sizes[part]))
-        return type(pieces[0]).cat_rows(pieces)
+        return _stacked_rows(
+            scheme,
+            [(raw.get(p) or {}, ckpt, module.source_starts[p], module.sizes[p]) for p, ckpt in parts.items()],
+        )
     w = scheme.decode(raw.get(None) or {}, parts[None])
     if isinstance(module, RowParallelLinear):
         return w.columns(module.start, module.in_features)
@@ -257,9 +303,23 @@ def _rank_weight(module: nn.Module) -> ql.QuantizedWeight | ql.Float8Weight:
     return w
 
 
+def _expert_weights(module: nn.Module, e: int) -> list[tuple[Any, tuple[int, int]]]:
+    """Expert ``e``'s ``[(gate_up, its shape), (down, its shape)]`` on this rank: the rows of gate and
+    up, the columns of down, of this rank's intermediate features (``module.source_start``,
+    ``module.inter``)."""
+    scheme, parts, raw = module.quant_scheme, module.quant_parts, module.quant_tensors
+    start, inter, hidden = module.source_start, module.inter, module.hidden_size
+    gate_up = _stacked_rows(scheme, [(raw[(e, p)], parts[(e, p)], start, inter) for p in ("gate", "up")])
+    try:
+        down = scheme.decode(raw[(e, "down")], parts[(e, "down")]).columns(start, inter)
+    except ValueError as err:
+        raise ValueError(f"expert {e}'s down projection, this rank's {err}") from err
+    return [(gate_up, (2 * inter, hidden)), (down, (hidden, inter))]
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Resident bytes of the model's weights: parameters, buffers (a prepacked float weight is one)
-    and packed quantized weights; the rotary tables (``cos``, ``sin``) excluded."""
+    and packed quantized weights (experts' included); the rotary tables (``cos``, ``sin``) excluded."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     counted: set[int] = set()  # a tied embedding and LM head share one packed weight
     for module in model.modules():
@@ -267,6 +327,7 @@ def weight_bytes(model: nn.Module) -> int:
         if isinstance(packed, ql.PackedLinear) and id(packed) not in counted:
             counted.add(id(packed))
             total += packed.nbytes()
+        total += sum(p.nbytes() for pair in getattr(module, "packed_experts", ()) for p in pair)
         for key, buf in module._buffers.items():
             if buf is not None and key not in ("cos", "sin"):
                 total += buf.numel() * buf.element_size()

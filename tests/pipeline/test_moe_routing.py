@@ -13,35 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from greedy_check import hf_greedy
+from greedy_check import assert_moe_matches, hf_greedy
 from pipeline_harness import wait_all_free
 from tiny_models import tiny_checkpoint
 
-LOGIT_TIE = 1e-3
-ROUTER_TIE = 1e-5
 NEW_TOKENS = 12
-
-
-def router_margin(hf, ids: list[int]) -> float:
-    """Smallest gap between the k-th and (k+1)-th routing probability over every token and layer."""
-    k = hf.config.num_experts_per_tok
-    gaps: list[float] = []
-
-    def hook(_module, _inp, out):
-        logits = out[0] if isinstance(out, tuple) else out
-        top = torch.softmax(logits.float(), dim=-1).topk(k + 1, dim=-1).values
-        gaps.append((top[..., k - 1] - top[..., k]).min().item())
-
-    gates = [m for name, m in hf.named_modules() if name.endswith("mlp.gate")]
-    assert gates, "guard: the router's module was not found (transformers renamed it?)"
-    handles = [g.register_forward_hook(hook) for g in gates]
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([ids]))
-    finally:
-        for h in handles:
-            h.remove()
-    return min(gaps)
 
 
 @pytest.mark.parametrize("name", ["qwen3moe-top2of4-norm", "qwen3moe-top3of8"])
@@ -64,14 +40,4 @@ def test_moe_greedy_on_drawn_prompts_matches_transformers(name, tmp_path):
         pipe.close()
     assert sum(len(r.token_ids) for r in outs) > 2 * len(prompts), "guard: generation must not stop at once"
     for i, (ids, r) in enumerate(zip(prompts, outs, strict=True)):
-        ref, logits = hf_greedy(hf, ids, NEW_TOKENS)
-        step = next((j for j, (a, b) in enumerate(zip(r.token_ids, ref, strict=False)) if a != b), None)
-        if step is None:
-            assert len(r.token_ids) == len(ref), f"prompt {i}: {r.token_ids} vs {ref}"
-            continue
-        gap = abs((logits[step][ref[step]] - logits[step][r.token_ids[step]]).item())
-        margin = router_margin(hf, ids + ref[:step])
-        assert gap < LOGIT_TIE or margin < ROUTER_TIE, (
-            f"{name} prompt {i}: token {step} is {r.token_ids[step]}, transformers {ref[step]}; "
-            f"logit gap {gap:.2e} (tie < {LOGIT_TIE}), router margin {margin:.2e} (tie < {ROUTER_TIE})"
-        )
+        assert_moe_matches(hf, ids, r.token_ids, *hf_greedy(hf, ids, NEW_TOKENS), what=f"{name} prompt {i}")

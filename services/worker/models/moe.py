@@ -25,7 +25,9 @@ class Experts(nn.Module):
 
     gate_up_proj: ``[E, 2 * inter, hidden]`` (gate rows, then up rows); down_proj: ``[E, hidden, inter]``.
     Checkpoints store one tensor per expert and part (``experts.{e}.gate_proj.weight``, ...);
-    ``checkpoint_parts`` tells the loader which fused tensor each part fills.
+    ``checkpoint_parts`` tells the loader which fused tensor each part fills. A quantized checkpoint's
+    experts become ``QuantizedExperts`` (``fuseserve.worker.quantization``): the same ``forward``, with
+    ``gate_up`` and ``down`` running each expert's packed weights.
     """
 
     checkpoint_parts = {
@@ -37,7 +39,7 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str):
         super().__init__()
         rank, size = parallel.world()
-        self.num_experts = num_experts
+        self.num_experts, self.hidden_size = num_experts, hidden_size
         self.inter = parallel.divide(intermediate_size, size, "the experts' intermediate size")
         self.source_start = rank * self.inter  # this rank's intermediate features in the checkpoint
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
@@ -58,6 +60,14 @@ class Experts(nn.Module):
             return None
         return (1 if shard[1] == "down" else 0), self.source_start, self.inter
 
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """``x [n, hidden]`` → ``[n, 2 * inter]``: expert ``expert``'s gate features, then its up ones."""
+        return F.linear(x, self.gate_up_proj[expert])
+
+    def down(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        """``h [n, inter]`` → ``[n, hidden]``: expert ``expert``'s down projection (this rank's part)."""
+        return F.linear(h, self.down_proj[expert])
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]``, ``expert_ids [T, k]``, ``weights [T, k]`` → ``[T, hidden]``."""
         top_k = expert_ids.shape[1]
@@ -70,15 +80,21 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate, up = F.linear(xs[start : start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out[start : start + n] = F.linear(self.act(gate) * up, self.down_proj[e])
+            gate, up = self.gate_up(e, xs[start : start + n]).chunk(2, dim=-1)
+            out[start : start + n] = self.down(e, self.act(gate) * up)
             start += n
         out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
 class SparseMoE(nn.Module):
-    """Router (``gate``) + ``Experts``; ``args.num_experts_per_tok`` experts per token."""
+    """Router (``gate``) + ``Experts``; ``args.num_experts_per_tok`` experts per token.
+
+    ``float_modules``: the router stays float in quantized checkpoints (GPTQ, AWQ and llm-compressor
+    leave it unquantized, as vLLM's Mixtral and Qwen3-MoE load it), whatever the scheme's targets say.
+    """
+
+    float_modules = ("gate",)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
