@@ -37,13 +37,13 @@ from fuseserve.kernels.quant_weight import QuantizedWeight
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quant_linear.cpp")
-SMALL_ROWS = 32
+SMALL_ROWS = 12
 """Passes of at most this many rows run the C++ kernel; larger ones ``widened_matmul``. Measured on
-4-bit SmolLM2 and 1B LLaMA shapes (AVX-512, 2 threads, fp32) against dequantizing the whole matrix
-per call: the kernel was the faster up to 16-32 rows, even at 48-64, and 1.1-2x slower from 96 rows
-on. The chunked ``widened_matmul`` beat the whole-matrix path 1.3-2.5x at 64 rows (16384 x 2048: 138
-vs 185 ms; 2048 x 8192: 18 vs 45; 3072 x 2048: 5.8 vs 13.7, loaded machine), so the crossover may now
-lie lower; not re-measured on a quiet machine."""
+the 1B LLaMA shape's 4-bit layers (groups of 128; Zen 4, 2 threads, fp32, quiet machine, ms, kernel vs
+chunked): 16384 x 2048 at 8 rows 9.6 vs 18.0, at 16 rows 16.6 vs 13.5, at 32 rows 30.9 vs 22.4;
+2048 x 8192 4.4 / 7.9, 8.9 / 7.8, 16.7 / 11.1; 3072 x 2048 1.5 / 2.6, 2.9 / 2.2, 5.6 / 3.7: the
+kernel's time grows with the rows, the chunked path's little, crossing at about 13 rows. (Before,
+above 32 rows the whole matrix was dequantized per call: 78-84, 39-45, 7.4-10.4 ms.)"""
 
 
 def _library_path(cxx: str) -> Path:
