@@ -94,3 +94,14 @@ def _chunk(
         prompt_len=prompt_len,
         lora=lora if start == 0 else None,
     )
+
+
+def max_relative_error(hf, prompts: dict[int, list[int]], ours: dict[int, torch.Tensor]) -> float:
+    """The largest ``|ours - transformers|`` over every prompt position, relative to the largest
+    ``transformers`` logit of that prompt (``ours``: ``chunked_logits``' result for ``prompts``)."""
+    worst = 0.0
+    for sid, tokens in prompts.items():
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0].float()
+        worst = max(worst, ((ours[sid] - ref).abs().max() / ref.abs().max()).item())
+    return worst

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_driver import chunked_logits
+from engine_driver import chunked_logits, max_relative_error
 from quant_checkpoints import write_quantized
 from tiny_models import llama_config, random_model, random_prompt
 
@@ -65,11 +65,7 @@ def test_bf16_float_weights_match_transformers(tied, tmp_path):
     sizes = {1: 16, 2: 16, 3: 1}
     assert sum(sizes.values()) > BF16_SMALL_ROWS  # the first passes' LM head takes the GEMM path
     ours = chunked_logits(runner, prompts, sizes)
-    worst = 0.0
-    for sid, tokens in prompts.items():
-        with torch.no_grad():
-            ref = hf(torch.tensor([tokens])).logits[0].float()
-        worst = max(worst, ((ours[sid] - ref).abs().max() / ref.abs().max()).item())
+    worst = max_relative_error(hf, prompts, ours)
     print(f"\nbf16 float weights, tied={tied}: max |fuseserve - transformers| / max |logit| = {worst:.2e}")
     assert worst <= RTOL
 

@@ -11,8 +11,7 @@ checked in ``test_quantized_checkpoints.py`` (with their router near-tie rule).
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_driver import chunked_logits
+from engine_driver import chunked_logits, max_relative_error
 from quant_checkpoints import write_quantized
 from tiny_models import CONFIGS, random_model, random_prompt
 
@@ -34,10 +33,6 @@ def test_quantized_family_matches_transformers(family, tmp_path):
     v = config.vocab_size
     prompts = {1: random_prompt(1, 40, v), 2: random_prompt(2, 9, v)}
     ours = chunked_logits(runner, prompts, {1: 16, 2: 16})
-    worst = 0.0
-    for sid, tokens in prompts.items():
-        with torch.no_grad():
-            ref = hf(torch.tensor([tokens])).logits[0].float()
-        worst = max(worst, ((ours[sid] - ref).abs().max() / ref.abs().max()).item())
+    worst = max_relative_error(hf, prompts, ours)
     print(f"\n{family} GPTQ 4-bit: max |fuseserve - transformers| / max |logit| = {worst:.2e}")
     assert worst <= RTOL
