@@ -7,7 +7,7 @@ loop (``benchmarks/workload.py``): ``--requests`` requests from ``--clients`` cl
 Normal(``--prompt-mean``, 0.3 x mean) tokens sliced from the repository's text, ``--output-mean``
 tokens each, greedy with EOS ignored, streamed from ``/v1/completions``. Printed per system: total
 (prompt + generated) tokens/s, mean TTFT, p95 inter-token latency, start-up seconds, the load average
-around the run; ``--rounds N`` alternates the systems N times. Only one server runs at a time.
+around the run, and each server process's CPU over the run (cores, CPU ms per token; from ``/proc``); ``--rounds N`` alternates the systems N times. Only one server runs at a time.
 
     python -m benchmarks.served_peers [--dtype float32] [--systems fuseserve,vllm] [--rounds 1]
 """
@@ -62,6 +62,59 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
+def tree_cpu_seconds(root: int) -> dict[int, tuple[str, float]]:
+    """``{pid: (command line, user + system CPU seconds)}`` of process ``root`` and its descendants,
+    from ``/proc`` (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        kids = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in tree]
+        tree.update(kids)
+        frontier += kids
+    out = {}
+    for pid in tree & stats.keys():
+        try:
+            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        out[pid] = (cmd, stats[pid][1])
+    return out
+
+
+def cpu_by_process(before: dict, after: dict, wall_s: float, tokens: int) -> list[dict]:
+    """Per server process alive over the run: CPU seconds in it, cores (CPU / wall) and CPU ms per
+    token (prompt + generated), the busiest first."""
+    rows = []
+    for pid, (cmd, cpu) in after.items():
+        if pid in before:
+            used = cpu - before[pid][1]
+            rows.append({"process": _role(cmd), "pid": pid, "cpu_s": round(used, 2),
+                         "cores": round(used / wall_s, 3), "cpu_ms_per_token": round(1e3 * used / tokens, 3)})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["cpu_s"])
+
+
+def _role(cmd: str) -> str:
+    """A short name for a server process from its command line (a peer's: its first words)."""
+    if "redis-server" in cmd:
+        return "redis"
+    if "fuseserve.cli" in cmd:
+        for key in ("worker", "scheduler", "gateway"):
+            if f" {key} " in f"{cmd} ":
+                return key
+        return "serve (gateway + scheduler)"
+    return " ".join(Path(w).name for w in cmd.split()[:3])[:48] or "?"
+
+
 def server_cmd(system: str, model_dir: Path, port: int, dtype: str, extra: list[str]):
     """(argv, env) that start ``system`` on ``port``; ``extra``: more ``fuseserve serve`` flags."""
     if system == "vllm":
@@ -87,9 +140,12 @@ def run_system(system: str, a: argparse.Namespace, model_dir: Path, requests: li
         short = BenchRequest(requests[0].prompt_token_ids[:32], "", 4)
         asyncio.run(closed_loop([short], send, 1))
         load0 = os.getloadavg()[0]
+        cpu0 = tree_cpu_seconds(proc.pid)
         res = asyncio.run(closed_loop(requests, send, a.clients))
         rec = summarize(res.traces, res.wall_seconds, scale_sla(factor=16.0))
         rec |= {"system": system, "start_s": start_s, "loadavg": [load0, os.getloadavg()[0]]}
+        tokens = sum(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
+        rec["cpu"] = cpu_by_process(cpu0, tree_cpu_seconds(proc.pid), res.wall_seconds, tokens)
         rec["errors"] = sorted({str(t.error) for t in res.traces if not t.ok})[:3]
     except RuntimeError as e:
         rec = {"system": system, "error": f"{e} (log: {log_path})"}
@@ -142,6 +198,10 @@ def main() -> None:
                 f"load {rec['loadavg'][0]:.2f}-{rec['loadavg'][1]:.2f}",
                 flush=True,
             )
+            for row in rec["cpu"]:
+                print(
+                    f"  {row['process']:>28}: {row['cores']:.2f} cores, {row['cpu_ms_per_token']:.2f} ms CPU per token"
+                )
             for err in rec["errors"]:
                 print(f"  failed: {err}", flush=True)
 
