@@ -66,6 +66,7 @@ def greedy(smollm2_source, prompts):
     return out
 
 
+@pytest.mark.slow  # two SmolLM2 bf16 runs (~45 s); the tiny fp8 engine tests stay in the default run
 def test_fp8_greedy_follows_the_bf16_kv_run(greedy):
     same = 0
     for i, ((ref_tokens, ref_logits), (tokens, logits)) in enumerate(

@@ -87,6 +87,7 @@ def test_quantized_layers_and_resident_bytes(pipe, smollm2_source):
     assert ours <= 0.35 * fp32
 
 
+@pytest.mark.slow  # SmolLM2 greedy on 8 prompts twice (~19 s); CI runs it (./dev.sh test-slow)
 def test_greedy_equals_transformers_on_the_float32_conversion(pipe, smollm2_source):
     from transformers import AutoModelForCausalLM
 

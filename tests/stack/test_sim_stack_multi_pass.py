@@ -12,6 +12,7 @@ import random
 import time
 
 import httpx
+import pytest
 import redis
 
 from fuseserve import messages
@@ -89,6 +90,7 @@ def _run(passes: int, stops: dict[int, str] | None) -> list[tuple[str, str | Non
     return results
 
 
+@pytest.mark.slow  # two stacks (~23 s); tests/pipeline/test_pipeline_multi_pass.py covers multi-pass in the default run
 def test_four_passes_through_the_stack_give_what_one_gives(smollm2_source):
     ref = _run(1, None)
     # stop strings cut some answers in the middle (taken from the one-pass texts)

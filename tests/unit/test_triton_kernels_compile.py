@@ -69,6 +69,7 @@ def compile_all() -> None:
     )
 
 
+@pytest.mark.slow  # ~20 s of Triton compilation on 2 cores; CI runs it (./dev.sh test-slow)
 def test_triton_kernels_compile_for_nvidia_gpus():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
