@@ -140,7 +140,7 @@ class Pipeline:
         slo = config.target_itl is not None or config.target_prefill_rate is not None
         curve = None
         if config.token_budget is None or slo:
-            curve = profile_curve(self.runner, str(self.source.path), cache_dir)
+            curve = self.runner.on_thread(profile_curve, self.runner, str(self.source.path), cache_dir)
         return config.token_budget or knee(curve), curve_prior(curve) if slo else None
 
     @property

@@ -233,7 +233,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             for move in request.moves:
                 try:
                     if not hasattr(self.runner, "export_seq"):
-                        raise SchedulerError(f"{type(self.runner).__name__} does not migrate sequences")
+                        raise SchedulerError(
+                            f"{type(getattr(self.runner, 'target', self.runner)).__name__} does not migrate sequences"
+                        )
                     snap = self.runner.export_seq(move.seq_id)
                     snap.share_leading(move.num_shared_blocks)
                     snaps.append((snap, list(move.dest_block_ids)))
@@ -303,15 +305,16 @@ def model_runner(args: argparse.Namespace):
     from fuseserve.options import from_cli_args
     from fuseserve.worker.profiler import choose_token_budget
     from fuseserve.worker.tensor_parallel import load_runner
+    from fuseserve.worker.torch_thread import torch_thread
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads:  # OpenMP's thread count is per thread: set it where the model runs
+        torch_thread().call(torch.set_num_threads, args.threads)
     config = from_cli_args(EngineConfig, args)  # the engine options the worker offers
     source = resolve_model(args.model, quantization=config.quantization)
     runner = load_runner(
         source.path, source.config, source.eos_token_ids(), config, config.tensor_parallel_size, args.threads
     )
-    budget = config.token_budget or choose_token_budget(runner, str(source.path))
+    budget = config.token_budget or runner.on_thread(choose_token_budget, runner, str(source.path))
     return runner, source.name, budget
 
 

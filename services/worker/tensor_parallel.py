@@ -30,6 +30,7 @@ from fuseserve.errors import FuseServeError, InvalidParameterError, WorkerLostEr
 from fuseserve.types import StepPlan, StepResult
 from fuseserve.worker.model_runner import ModelRunner
 from fuseserve.worker.multi_pass_run import run_passes
+from fuseserve.worker.torch_thread import on_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +167,18 @@ def load_runner(
 ):
     """The model runner of one worker or pipeline: a ``ModelRunner``, or with ``size`` > 1 rank 0's
     ``TensorParallelRunner`` (followers spawned with ``threads`` torch threads each; None: torch's;
-    ``exit_on_loss``: see ``TensorParallelRunner``).
+    ``exit_on_loss``: see ``TensorParallelRunner``), built on the process's torch thread and returned
+    as an ``OnTorchThread`` proxy: every method runs there (``fuseserve.worker.torch_thread``).
 
     Raises ``InvalidParameterError`` for ``size`` < 1, else what ``ModelRunner`` raises.
     """
     if not isinstance(size, int) or size < 1:
         raise InvalidParameterError("tensor_parallel_size", size, "an integer >= 1")
     if size == 1:
-        return ModelRunner(model_path, hf_config, eos_token_ids, config, progress=progress)
-    return start(model_path, hf_config, eos_token_ids, config, size, threads, progress, exit_on_loss)
+        return on_torch_thread(ModelRunner, model_path, hf_config, eos_token_ids, config, progress=progress)
+    return on_torch_thread(
+        start, model_path, hf_config, eos_token_ids, config, size, threads, progress, exit_on_loss
+    )
 
 
 def start(

@@ -1,0 +1,80 @@
+"""One thread for all of a process's model work: load, budget profiling, passes, KV moves.
+
+PyTorch's CPU kernels run in OpenMP parallel regions (libgomp on Linux). libgomp gives every thread
+that starts a parallel region a team of worker threads of its own, kept until that thread exits, and
+once the process's OpenMP threads outnumber its CPUs it stops spinning at barriers (its "throttled"
+spin count) and sleeps instead, so every parallel region then pays a futex wake-up. A model loaded
+on one thread (the main one) and run on another (the engine's lane, a gRPC stream's) therefore ran
+every pass slower: SmolLM2, a 128-token pass on 2 vCPUs, 232 / 237 ms when built and run on the same
+thread against 336 / 388 ms built on the main thread (``benchmarks/README.md``, "Where the served CPU
+goes"). ``GOMP_SPINCOUNT`` does not lift the throttle; one thread for all model work does.
+
+``on_torch_thread(build, ...)`` builds the runner on the process's torch thread and returns a proxy
+whose methods run there (attribute reads pass through); ``TorchThread.call`` runs any function there.
+A call from the torch thread itself runs inline, so runner methods may call each other.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+
+class TorchThread:
+    """A single long-lived thread that runs the calls handed to it, one at a time, in order."""
+
+    def __init__(self, name: str = "fuseserve-torch"):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._ident = self._pool.submit(threading.get_ident).result()
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the torch thread (inline when already on it); its result, or its
+        exception raised here."""
+        if threading.get_ident() == self._ident:
+            return fn(*args, **kwargs)
+        return self._pool.submit(fn, *args, **kwargs).result()
+
+
+_THREAD: TorchThread | None = None
+_LOCK = threading.Lock()
+
+
+def torch_thread() -> TorchThread:
+    """The process's torch thread (started on first use)."""
+    global _THREAD
+    with _LOCK:
+        if _THREAD is None:
+            _THREAD = TorchThread()
+        return _THREAD
+
+
+class OnTorchThread:
+    """A proxy for a model runner: each of its methods runs on the torch thread; other attributes are
+    read and written through. ``target`` is the runner itself."""
+
+    def __init__(self, target: Any, thread: TorchThread):
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "_thread", thread)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.target, name)
+        if inspect.ismethod(value):
+            thread = self._thread
+            return lambda *args, **kwargs: thread.call(value, *args, **kwargs)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.target, name, value)
+
+    def on_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the torch thread (e.g. a profiler driving this runner)."""
+        return self._thread.call(fn, *args, **kwargs)
+
+
+def on_torch_thread(build: Callable[..., Any], *args: Any, **kwargs: Any) -> OnTorchThread:
+    """``build(*args, **kwargs)`` run on the torch thread, its result wrapped in ``OnTorchThread``."""
+    thread = torch_thread()
+    return OnTorchThread(thread.call(build, *args, **kwargs), thread)
