@@ -69,6 +69,9 @@ class OnTorchThread:
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.target, name, value)
 
+    def __delattr__(self, name: str) -> None:
+        delattr(self.target, name)
+
     def on_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the torch thread (e.g. a profiler driving this runner)."""
         return self._thread.call(fn, *args, **kwargs)
