@@ -51,7 +51,7 @@ def quantized_checkpoint(shape: str, root: Path):
 def step_int4(out: Path, shape: str, root: Path) -> None:
     """Parity and decode speed of the INT4 checkpoint (see the module docstring)."""
     import fuseserve
-    from benchmarks.quantized_decode import Prompts, decode_rate
+    from benchmarks.quantized_decode import Prompts, decode_rate, layer_kernels
     from fuseserve.worker.quantization import weight_bytes
 
     path, qpath, hf = quantized_checkpoint(shape, root)
@@ -79,10 +79,7 @@ def step_int4(out: Path, shape: str, root: Path) -> None:
             prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, logprobs=0
         )
         results = [gc.compare(r.token_ids, r.logprobs, *ref[i]) for i, r in enumerate(resps)]
-        kernels = sorted(
-            {f"{m.packed.out_features}x{m.packed.in_features}:{m.packed.name}"
-             for m in pipe.runner.model.modules() if hasattr(m, "packed")}
-        )  # fmt: skip
+        kernels = layer_kernels(pipe)
         gc.record(out, step="int4_parity", shape=shape, ok=all(r["ok"] for r in results),
                   seconds=time.perf_counter() - t0, kernels=kernels, per_prompt=results)  # fmt: skip
         rates: dict[str, dict[int, float]] = {label: {} for label in pipes}

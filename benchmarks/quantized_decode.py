@@ -152,7 +152,8 @@ def decode_rate(pipe, prompts: Prompts, batch: int, new_tokens: int) -> float:
     return batch * new_tokens / (tn - t1)
 
 
-def _kernels(pipe) -> list[str]:
+def layer_kernels(pipe) -> list[str]:
+    """``OUTxIN:kernel`` of each packed layer shape of ``pipe``'s model, sorted."""
     packed = [m.packed for m in pipe.runner.model.modules() if hasattr(m, "packed")]
     return sorted({f"{p.out_features}x{p.in_features}:{p.name}" for p in packed})
 
@@ -176,7 +177,7 @@ def main() -> None:
         kind, dtype, kv = MODES[m]
         pipes[m] = _pipe(sources[kind], dtype, kv, args.kv_cache_memory)
         mib = weight_bytes(pipes[m].runner.model) / 2**20
-        print(f"{m}: resident weights {mib:.1f} MiB; kernels {_kernels(pipes[m])}", flush=True)
+        print(f"{m}: resident weights {mib:.1f} MiB; kernels {layer_kernels(pipes[m])}", flush=True)
     vocab = pipes[modes[0]].runner.info.vocab_size
     prompts = Prompts(vocab, args.prompt_len)
     for pipe in pipes.values():  # warm-up
