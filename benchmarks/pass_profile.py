@@ -63,7 +63,7 @@ class PassBench:
     def __init__(self, model: str, num_seqs: int, context: int, budget: int, engine: dict):
         src = resolve_model(model)
         self.flops_per_token = model_flops_per_token(src.config)
-        cfg = EngineConfig(kv_cache_memory="1GiB", dtype="float32", **engine)
+        cfg = EngineConfig(**{"kv_cache_memory": "1GiB", "dtype": "float32", **engine})
         t0 = time.perf_counter()
         self.runner = ModelRunner(src.path, src.config, src.eos_token_ids(), cfg, progress=False)
         self.load_s = time.perf_counter() - t0

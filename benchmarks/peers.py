@@ -157,6 +157,8 @@ def openai_send(base_url: str, model: str, api_key: str = "EMPTY") -> SendFn:
     generated, the difference is added at the last chunk's time. One client per event loop: httpx's
     connection pool is bound to the loop that opened it, and a warm-up and the measured run are two
     ``asyncio.run`` calls (before, the measured run's first request failed: "Event loop is closed").
+    ``send.aclose()`` closes the running loop's client (``closed_loop`` calls it at the end; left
+    open, the client's close was scheduled on a dead loop at exit and printed a traceback).
     """
     from openai import AsyncOpenAI
 
@@ -188,6 +190,12 @@ def openai_send(base_url: str, model: str, api_key: str = "EMPTY") -> SendFn:
                 yield last, usage.completion_tokens - counted
                 counted = usage.completion_tokens
 
+    async def aclose() -> None:
+        client = clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.close()
+
+    send.aclose = aclose
     return send
 
 

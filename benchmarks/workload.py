@@ -286,7 +286,8 @@ async def closed_loop(
 
     Each client takes the next unsent request as soon as its previous one has finished. A request
     whose ``send`` raises gets a trace with ``error`` set (it counts as failing the service level);
-    the run continues.
+    the run continues. A ``send`` with an ``aclose`` coroutine function is closed at the end, in
+    this event loop.
     """
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
@@ -319,6 +320,9 @@ async def closed_loop(
     t0 = clock()
     await asyncio.gather(*(client() for _ in range(min(num_clients, max(1, len(requests))))))
     wall = clock() - t0
+    close = getattr(send, "aclose", None)  # a sender holding connections of this loop closes them
+    if close is not None:
+        await close()
     return ClosedLoopResult([t for t in traces if t is not None], wall)
 
 
