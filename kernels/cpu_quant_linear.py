@@ -168,8 +168,9 @@ class Bf16Linear(PackedLinear):
         self.tensors = {"weight": weight.to(torch.bfloat16).contiguous()}
 
     @staticmethod
-    def accepts(weight: torch.Tensor) -> bool:
-        """Whether ``weight`` is a 2-D CPU float tensor, K a multiple of 32, every value exact in bf16."""
+    def holds(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is a 2-D CPU float tensor, K a multiple of 32, every value exact in bf16
+        (not ``PackedLinear.accepts``: this kernel takes float weights, never a ``QuantizedWeight``)."""
         return (
             weight.device.type == "cpu"
             and weight.dim() == 2

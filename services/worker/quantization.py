@@ -352,7 +352,7 @@ def keep_float_weights_bf16(model: nn.Module) -> int:
         if type(module) not in (VocabParallelEmbedding, ParallelLMHead):
             continue
         w = module.weight
-        if w.dtype != torch.float32 or (id(w) not in shared and not cpu_quant_linear.Bf16Linear.accepts(w)):
+        if w.dtype != torch.float32 or (id(w) not in shared and not cpu_quant_linear.Bf16Linear.holds(w)):
             continue
         if id(w) not in shared:
             shared[id(w)] = cpu_quant_linear.Bf16Linear(w)
