@@ -9,12 +9,17 @@
 //
 // Work split: one item = (sequence, KV head, tile of up to TILE_Q consecutive query tokens). The
 // item's rows are its tokens x the query heads sharing that KV head (GQA), so each key block, read
-// once from the cache and widened to fp32, serves all of them. Per key block the item computes
-// scores S = Q K^T, an online softmax (flash-attention's running max and sum) and acc += P V, in
-// chunks of 16 keys held as one 16-lane vector per query row (GCC vector extensions: one AVX-512
-// register or two AVX2 ones), head_dim zero-padded to a multiple of 16. Scores: one dot product per
-// (row, key) for a decode's few rows; K transposed once per chunk and 4 rows x 16 keys accumulated in
-// registers for a prefill tile. Items run in parallel (at::parallel_for).
+// once from the cache and widened to fp32, serves all of them. Keys go in chunks of 16, held as one
+// 16-lane vector of scores per query row (GCC vector extensions: one AVX-512 register or two AVX2
+// ones), head_dim zero-padded to a multiple of 16. Items run in parallel (at::parallel_for).
+//  - A prefill tile (many rows): per chunk, scores S = Q K^T with K transposed once and 4 rows x 16
+//    keys accumulated in registers, an online softmax (flash-attention's running max and sum) and
+//    acc += P V.
+//  - Few rows (decode tokens x the GQA group), fp32 / bf16 caches with head_dim a multiple of 16:
+//    two passes over the keys, no running rescale. First every visible key's score into a per-row
+//    buffer: each key's 16-lane partial products, and 16 keys' partials folded into one vector of 16
+//    scores by a butterfly of two-source shuffles (15 shuffle-pairs and adds per 16 keys instead of a
+//    horizontal sum per key); then one max, exp and sum per row; then acc += P V.
 //
 // The caches hold the query's dtype, or float8 e4m3 (an fp8 KV cache, kernels/kv_quant.py): each
 // byte is widened to fp32 through a 256-entry table as its block is read; the per-tensor scales are
@@ -64,9 +69,58 @@ inline float widen(KT x, const float* fp8) {
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 constexpr int64_t KC = 16;           // keys per chunk: one v16 of scores per query row
-constexpr int64_t TRANSPOSE_ROWS = 8;  // from this many rows on, scores use K transposed (see below)
+constexpr int64_t TRANSPOSE_ROWS = 8;
+  // from this many rows on, scores use K transposed (see below)
+
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 
 inline v16 splat(float x) { return v16{} + x; }
+
+// Caches whose rows load 16 elements at a time as fp32 (the few-rows path); fp16 and fp8 go element by element.
+template <typename KT>
+constexpr bool kVectorLoad = std::is_same_v<KT, float> || std::is_same_v<KT, c10::BFloat16>;
+
+// 16 consecutive cache elements as fp32 lanes (bf16: the 16 bits become a float's high half).
+template <typename KT>
+inline v16 load16(const KT* p) {
+  if constexpr (std::is_same_v<KT, float>) {
+    v16 x;
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+  } else {
+    v16h h;
+    std::memcpy(&h, p, sizeof(h));
+    return (v16)(__builtin_convertvector(h, v16u) << 16);
+  }
+}
+
+// One butterfly stage over two vectors of partial sums: lanes with bit W clear get x[i] + x[i ^ W],
+// lanes with bit W set get y[i] + y[i ^ W].
+inline v16 fold8(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline v16 fold4(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline v16 fold2(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline v16 fold1(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// t[j]: key j's 16 partial products; returns the 16 keys' sums, lane j = key j.
+inline v16 fold16(v16* t) {
+  for (int k = 0; k < 8; ++k) t[k] = fold8(t[k], t[k + 8]);
+  for (int k = 0; k < 4; ++k) t[k] = fold4(t[k], t[k + 4]);
+  for (int k = 0; k < 2; ++k) t[k] = fold2(t[k], t[k + 2]);
+  return fold1(t[0], t[1]);
+}
 
 inline float hsum(v16 v) {
   float s = 0.0f;
@@ -186,6 +240,14 @@ inline void accumulate_pv(v16* acc, int64_t nv, float alpha, v16 p, const v16* v
 // (KC x nv vectors); rows past n and lanes past d are zero.
 template <typename KT>
 inline void widen_chunk(const KT* src, int64_t stride, int64_t n, int64_t d, int64_t nv, const float* fp8, v16* dst) {
+  if constexpr (kVectorLoad<KT>) {
+    if (d % 16 == 0) {  // nv == d / 16: no padding lanes
+      for (int64_t j = 0; j < KC; ++j) {
+        for (int64_t v = 0; v < nv; ++v) dst[j * nv + v] = j < n ? load16(src + j * stride + v * 16) : splat(0.0f);
+      }
+      return;
+    }
+  }
   float* out = reinterpret_cast<float*>(dst);
   const int64_t dp = nv * 16;
   for (int64_t j = 0; j < KC; ++j) {
@@ -196,6 +258,100 @@ inline void widen_chunk(const KT* src, int64_t stride, int64_t n, int64_t d, int
       for (int64_t e = d; e < dp; ++e) row[e] = 0.0f;
     } else {
       for (int64_t e = 0; e < dp; ++e) row[e] = 0.0f;
+    }
+  }
+}
+
+// Keys [lo, hi] of `heads` consecutive KV heads for few rows each (decode): fills acc (heads x rows x nv,
+// unnormalised) and l (heads x rows: the softmax sums). q: heads x rows x nv, pre-scaled; kb / vb: the
+// first head's first element in cache row 0 of block 0. Reading every head of a cache row together
+// keeps the reads sequential (one head's d elements at the token stride ran at a third of the memory
+// bandwidth). sbuf: scratch, resized here. Every row sees at least its own key (pos[r] in [lo, hi]).
+template <typename KT>
+void attend_few_rows(const v16* q, int64_t rows, int64_t heads, int64_t nv, const int64_t* pos, int64_t lo,
+                     int64_t hi, int64_t window, float soft_cap, const int32_t* table, int64_t block_size,
+                     const KT* kb, const KT* vb, int64_t block_stride, int64_t tok_stride, int64_t head_dim,
+                     std::vector<float>& sbuf, v16* kw, v16* acc, float* l) {
+  const int64_t base = lo / block_size * block_size;  // key of sbuf column 0
+  const int64_t len = hi + 1 - base, width = (len + 15) / 16 * 16 + KC, all = heads * rows;
+  sbuf.resize(all * width);
+  float* sb = sbuf.data();
+  v16i lane{};
+  for (int i = 0; i < 16; ++i) lane[i] = i;
+  v16 t[KC];
+  // one chunk of up to KC cache rows, every head, widened: kw[(hh * KC + j) * nv + v]
+  auto load_chunk = [&](const KT* src, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) {
+      const KT* row = src + j * tok_stride;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        for (int64_t v = 0; v < nv; ++v) kw[(hh * KC + j) * nv + v] = load16(row + hh * head_dim + v * 16);
+      }
+    }
+  };
+  // pass 1: scores of every key up to hi (those a row may not see are -inf)
+  for (int64_t b = base / block_size; b * block_size <= hi; ++b) {
+    const int64_t n_block = std::min<int64_t>(block_size, hi + 1 - b * block_size);
+    for (int64_t c0 = 0; c0 < n_block; c0 += KC) {
+      const int64_t j0 = b * block_size + c0, n = std::min<int64_t>(KC, n_block - c0);
+      load_chunk(kb + table[b] * block_stride + c0 * tok_stride, n);
+      const v16i keys = lane + static_cast<int32_t>(j0);
+      const v16i in_chunk = lane < static_cast<int32_t>(n);
+      for (int64_t rr = 0; rr < all; ++rr) {
+        const v16* qr = q + rr * nv;
+        const v16* kh = kw + (rr / rows) * KC * nv;
+        for (int64_t j = 0; j < n; ++j) {
+          const v16* kj = kh + j * nv;
+          v16 a = qr[0] * kj[0];
+          for (int64_t v = 1; v < nv; ++v) a += qr[v] * kj[v];
+          t[j] = a;
+        }
+        for (int64_t j = n; j < KC; ++j) t[j] = splat(0.0f);
+        v16 sr = fold16(t);
+        if (soft_cap > 0.0f) {
+          for (int j = 0; j < KC; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
+        }
+        const int32_t p = static_cast<int32_t>(pos[rr % rows]);
+        v16i visible = in_chunk & (keys <= p);
+        if (window > 0) visible &= keys > p - static_cast<int32_t>(window);
+        sr = visible ? sr : splat(NEG_INF);
+        std::memcpy(sb + rr * width + (j0 - base), &sr, sizeof(sr));  // lanes past n: the next chunk's
+      }
+    }
+  }
+  // pass 2: per row, p = exp(s - max) in place and l = sum p
+  const int64_t nvec = (len + 15) / 16;
+  for (int64_t rr = 0; rr < all; ++rr) {
+    float* row = sb + rr * width;
+    for (int64_t j = len; j < nvec * 16; ++j) row[j] = NEG_INF;
+    v16 mx = splat(NEG_INF);
+    for (int64_t i = 0; i < nvec; ++i) {
+      v16 x;
+      std::memcpy(&x, row + i * 16, sizeof(x));
+      mx = x > mx ? x : mx;
+    }
+    const float m = hmax(mx);
+    v16 sum = splat(0.0f);
+    for (int64_t i = 0; i < nvec; ++i) {
+      v16 x;
+      std::memcpy(&x, row + i * 16, sizeof(x));
+      x = exp_neg_v(x - m);
+      sum += x;
+      std::memcpy(row + i * 16, &x, sizeof(x));
+    }
+    l[rr] = hsum(sum);
+  }
+  // pass 3: acc = P V
+  std::fill(acc, acc + all * nv, splat(0.0f));
+  for (int64_t b = base / block_size; b * block_size <= hi; ++b) {
+    const int64_t n_block = std::min<int64_t>(block_size, hi + 1 - b * block_size);
+    for (int64_t c0 = 0; c0 < n_block; c0 += KC) {
+      const int64_t j0 = b * block_size + c0, n = std::min<int64_t>(KC, n_block - c0);
+      load_chunk(vb + table[b] * block_stride + c0 * tok_stride, n);
+      for (int64_t rr = 0; rr < all; ++rr) {
+        v16 pr;
+        std::memcpy(&pr, sb + rr * width + (j0 - base), sizeof(pr));
+        accumulate_pv(acc + rr * nv, nv, 1.0f, pr, kw + (rr / rows) * KC * nv, n);
+      }
     }
   }
 }
@@ -230,35 +386,63 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   v16i lane{};
   for (int i = 0; i < 16; ++i) lane[i] = i;
 
+  // Few-row items read every KV head of their rows at once (work item (tile, head 0) does them all)
+  // when there are enough of them to keep the threads busy; otherwise one head per item.
+  const bool few_rows_path = kVectorLoad<KT> && head_dim % 16 == 0;
+  const bool all_heads = static_cast<int64_t>(items.size()) >= 4 * at::get_num_threads();
+
   at::parallel_for(0, num_work, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_rows = TILE_Q * group;
+    const int64_t max_rows = std::max(TILE_Q * group, num_kv_heads * (TRANSPOSE_ROWS - 1));
     std::vector<v16> qf(max_rows * nv), acc(max_rows * nv), s(max_rows);
-    std::vector<v16> kw(KC * nv), vw(KC * nv), kt(dp);
+    std::vector<v16> kw(KC * nv * num_kv_heads), vw(KC * nv), kt(dp);
     std::vector<float> m(max_rows), l(max_rows);
     std::vector<int64_t> pos(max_rows);
+    std::vector<float> sbuf;  // the few-rows path's scores
     float* qff = reinterpret_cast<float*>(qf.data());
+    auto write_rows = [&](const Item& it, int64_t h, int64_t rows, int64_t heads) {  // out = acc / l
+      for (int64_t rr = 0; rr < heads * rows; ++rr) {
+        const int64_t r = rr % rows, i = r / group, g = r % group;
+        T* dst = op + (it.first + i) * o_stride + ((h + rr / rows) * group + g) * o_head_stride;
+        const float inv = 1.0f / l[rr];
+        const float* ar = reinterpret_cast<const float*>(acc.data() + rr * nv);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(ar[d] * inv);
+      }
+    };
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[w / num_kv_heads];
       const int64_t h = w % num_kv_heads;
       const int64_t ctx = lens[it.seq], q_len = cu[it.seq + 1] - cu[it.seq];
       const int64_t rows = it.count * group;
+      const bool few = few_rows_path && rows < TRANSPOSE_ROWS;
+      if (few && all_heads && h > 0) continue;  // head 0's item did this one
+      const int64_t heads = few && all_heads ? num_kv_heads : 1;
       for (int64_t i = 0; i < it.count; ++i) {
         const int64_t p = ctx - q_len + (it.first - cu[it.seq]) + i;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = i * group + g;
-          pos[r] = p;
-          const T* src = qp + (it.first + i) * q_stride + (h * group + g) * q_head_stride;
-          float* dst = qff + r * dp;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
-          for (int64_t d = head_dim; d < dp; ++d) dst[d] = 0.0f;
+        for (int64_t g = 0; g < group; ++g) pos[i * group + g] = p;
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          for (int64_t g = 0; g < group; ++g) {
+            const T* src = qp + (it.first + i) * q_stride + ((h + hh) * group + g) * q_head_stride;
+            float* dst = qff + (hh * rows + i * group + g) * dp;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+            for (int64_t d = head_dim; d < dp; ++d) dst[d] = 0.0f;
+          }
+        }
+      }
+      const int64_t hi = pos[rows - 1];  // last key any row may see
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) : 0;
+      const int32_t* table = tables + it.seq * max_blocks;
+      if constexpr (kVectorLoad<KT>) {
+        if (few) {
+          attend_few_rows(qf.data(), rows, heads, nv, pos.data(), lo, hi, window, soft_cap, table, block_size,
+                          kp + h * head_dim, vp + h * head_dim, kv_block_stride, kv_tok_stride, head_dim, sbuf,
+                          kw.data(), acc.data(), l.data());
+          write_rows(it, h, rows, heads);
+          continue;
         }
       }
       std::fill(acc.begin(), acc.begin() + rows * nv, splat(0.0f));
       std::fill(m.begin(), m.begin() + rows, NEG_INF);
       std::fill(l.begin(), l.begin() + rows, 0.0f);
-      const int64_t hi = pos[rows - 1];  // last key any row may see
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) : 0;
-      const int32_t* table = tables + it.seq * max_blocks;
       for (int64_t b = lo / block_size; b * block_size <= hi; ++b) {
         const int64_t n_block = std::min<int64_t>(block_size, hi + 1 - b * block_size);
         for (int64_t c0 = 0; c0 < n_block; c0 += KC) {
@@ -289,13 +473,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r / group, g = r % group;
-        T* dst = op + (it.first + i) * o_stride + (h * group + g) * o_head_stride;
-        const float inv = 1.0f / l[r];
-        const float* ar = reinterpret_cast<const float*>(acc.data() + r * nv);
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(ar[d] * inv);
-      }
+      write_rows(it, h, rows, 1);
     }
   });
 }

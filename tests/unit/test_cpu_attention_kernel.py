@@ -114,6 +114,57 @@ def test_cpu_kernel_decode_only_and_single_prefill():
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+@pytest.mark.parametrize("num_decodes", [3, 12])
+@pytest.mark.parametrize("window,cap", [(None, None), (20, 5.0)], ids=str)
+def test_cpu_kernel_decode_paths(num_decodes, window, cap, dtype):
+    """Decode passes on one thread: 12 decodes take the path that reads every KV head of a cache row
+    together, 3 decodes one head per work item (fewer items than 4 per thread); fp16 takes the
+    element-by-element path. Contexts from 1 to 150 keys, ending inside and at block boundaries."""
+    block_size, gqa, head_dim = 16, 3, 64
+    g = torch.Generator().manual_seed(num_decodes)
+    contexts = [1, 16, 17, 31, 64, 150, 100, 47, 33, 2, 120, 80][:num_decodes]
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 4
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in contexts]
+    width = max(len(t) for t in tables)
+    n = len(contexts)
+    batch = RaggedBatch(
+        input_ids=torch.zeros(n, dtype=torch.long),
+        positions=torch.tensor([c - 1 for c in contexts]),
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(contexts, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(
+            [
+                t[(c - 1) // block_size] * block_size + (c - 1) % block_size
+                for t, c in zip(tables, contexts, strict=True)
+            ]
+        ),
+        logits_indices=torch.arange(n),
+        query_lens=[1] * n,
+        context_lens=contexts,
+    )
+    q = torch.randn(n, KV_HEADS * gqa, head_dim, generator=g).to(dtype)
+    k = torch.randn(n, KV_HEADS, head_dim, generator=g).to(dtype)
+    v = torch.randn(n, KV_HEADS, head_dim, generator=g).to(dtype)
+    args = (batch, q, k, v, k_cache, v_cache, block_size, window, cap)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got, _, _ = run_backend(CpuAttentionBackend(), *args)
+    finally:
+        torch.set_num_threads(threads)
+    f32 = [x.float() for x in (q, k, v, k_cache, v_cache)]
+    want, _, _ = run_backend(TorchAttentionBackend(), batch, *f32, block_size, window, cap)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def _subset(batch: RaggedBatch, rows: list[int]) -> RaggedBatch:
     qlens = [batch.query_lens[i] for i in rows]
     cu = [0]
