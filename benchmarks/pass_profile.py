@@ -123,7 +123,7 @@ class PassBench:
             t2 = time.perf_counter()
             r.seq_table.computed(plan.chunks)
             states = [r.seqs[c.seq_id].sampling for c in sampling_chunks]
-            out = r.sampler(logits, states)
+            out = r.sampler(logits, states, inplace=True)  # as ModelRunner.step_pass
             ids = out.token_ids.tolist()
             t3 = time.perf_counter()
             for i, c in enumerate(sampling_chunks):

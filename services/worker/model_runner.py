@@ -244,9 +244,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_pass(self, plan: StepPlan, all_logits: bool = False) -> tuple[torch.Tensor, list[SeqChunk]]:
-        """Free, prepare and run one pass; returns logits ``[S', vocab]`` (fp32) of the sampling chunks.
+        """Free, prepare and run one pass; returns logits ``[S', vocab]`` (the model's dtype) of the
+        sampling chunks.
 
-        ``all_logits=True`` (tests, scoring) returns logits ``[T, vocab]`` of every token instead.
+        ``all_logits=True`` (tests, scoring) returns fp32 logits ``[T, vocab]`` of every token instead.
         """
         self.free(plan.free_seq_ids)
         batch, sampling_chunks = self.prepare(plan)
@@ -258,18 +259,19 @@ class ModelRunner:
         metadata = self.backend.prepare(batch, self.block_size)
         hidden, logits = self.forward_batch(batch, metadata)
         self.seq_table.computed(plan.chunks)
-        return logits, sampling_chunks
+        return (logits.float() if all_logits else logits), sampling_chunks
 
     def forward_batch(self, batch: RaggedBatch, metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model over ``batch``: hidden states ``[T, hidden]`` and fp32 logits ``[S', vocab]`` of
-        ``batch.logits_indices``; prompt logprobs of this pass go to ``self._scored``."""
+        """The model over ``batch``: hidden states ``[T, hidden]`` and logits ``[S', vocab]`` (the model's
+        dtype; the sampler widens them to fp32 where it needs to) of ``batch.logits_indices``; prompt
+        logprobs of this pass go to ``self._scored``."""
         ctx = ForwardContext(self.backend, metadata, self.kv_cache, lora=batch.lora)
         with forward_context(ctx):
             if self.compiled is not None:
                 hidden = self.compiled(batch.input_ids, batch.positions, ctx)
             else:
                 hidden = self.model(batch.input_ids, batch.positions)
-            logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
             self._scored = self.scorer.score(hidden, self.model.compute_logits, self._score_rows)
         return hidden, logits
 

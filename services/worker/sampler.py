@@ -152,9 +152,15 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sampling states")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits width {logits.shape[1]} is below vocab_size {self.vocab_size}")
+        if inplace and all(_plain_greedy(st.params) for st in states):
+            # argmax is exact in the logits' own dtype (fp32 holds every bf16 / fp16 value), and the
+            # EOS ban writes -inf: no fp32 copy of [S, V] (on a CPU that copy cost as much as the argmax)
+            apply_eos_ban(logits, states, self.eos_token_ids)
+            return SamplerOutput(logits.argmax(dim=-1), [None] * len(states), [[] for _ in states])
         raw = logits.to(torch.float32)
         needs_raw = any(st.params.logprobs is not None for st in states)
-        work = raw if inplace and raw is logits and not needs_raw else raw.clone()
+        ours = inplace or raw is not logits  # the caller's logits given up, or a conversion made here
+        work = raw if ours and not needs_raw else raw.clone()
         apply_eos_ban(work, states, self.eos_token_ids)
         apply_logit_bias(work, states)
         self._apply_grammars(work, states)
@@ -203,6 +209,11 @@ class Sampler:
             return sampled
         token_ids[torch.tensor(sample_rows, dtype=torch.long, device=token_ids.device)] = sampled
         return token_ids
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """True when a row's token is the argmax of its logits after the EOS ban alone."""
+    return p.greedy and not p.has_penalties and not p.logit_bias and not p.constrained and p.logprobs is None
 
 
 def _logprobs(

@@ -348,3 +348,19 @@ def test_fast_path_and_general_path_agree_for_greedy():
     general = sampler(logits, states_for([SamplingParams(temperature=0)] * 4 + [SamplingParams()])).token_ids
     assert torch.equal(fast, logits.argmax(dim=-1))
     assert torch.equal(general[:4], fast[:4])
+
+
+def test_plain_greedy_in_place_keeps_the_model_dtype():
+    """The runner's case (``inplace=True``, every row plain greedy): the argmax of the bf16 logits
+    themselves, EOS banned in place, equals the general path's over an fp32 copy."""
+    eos = 7
+    logits = random_logits(6, seed=9).to(torch.bfloat16)
+    logits[:, eos] = 100.0  # the top logit everywhere, banned for the ignore_eos rows
+    params = [SamplingParams(temperature=0, ignore_eos=i % 2 == 0) for i in range(6)]
+    general = Sampler([eos], V)(logits.float(), states_for(params), inplace=False).token_ids
+    given = logits.clone()
+    fast = Sampler([eos], V)(given, states_for(params), inplace=True)
+    assert torch.equal(fast.token_ids, general)
+    assert fast.token_ids.tolist()[1::2] == [eos] * 3 and eos not in fast.token_ids.tolist()[0::2]
+    assert given.dtype == torch.bfloat16 and float(given[0, eos]) == float("-inf")  # banned in place
+    assert fast.logprobs == [None] * 6 and fast.top_logprobs == [[]] * 6
