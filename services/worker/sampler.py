@@ -153,10 +153,12 @@ class Sampler:
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits width {logits.shape[1]} is below vocab_size {self.vocab_size}")
         if inplace and all(_plain_greedy(st.params) for st in states):
-            # argmax is exact in the logits' own dtype (fp32 holds every bf16 / fp16 value), and the
-            # EOS ban writes -inf: no fp32 copy of [S, V] (on a CPU that copy cost as much as the argmax)
+            # The argmax is exact in the logits' own dtype (fp32 holds every bf16 / fp16 value) and the
+            # EOS ban writes -inf, so no fp32 copy of [S, V]. max(dim).indices, not argmax: the same first
+            # index on ties, but torch's CPU argmax over bf16 took 1.5 ms for [16, 49152] against 0.5 ms
+            # (and 0.75 ms for the fp32 copy + argmax this replaces).
             apply_eos_ban(logits, states, self.eos_token_ids)
-            return SamplerOutput(logits.argmax(dim=-1), [None] * len(states), [[] for _ in states])
+            return SamplerOutput(logits.max(dim=-1).indices, [None] * len(states), [[] for _ in states])
         raw = logits.to(torch.float32)
         needs_raw = any(st.params.logprobs is not None for st in states)
         ours = inplace or raw is not logits  # the caller's logits given up, or a conversion made here

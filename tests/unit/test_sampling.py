@@ -356,11 +356,13 @@ def test_plain_greedy_in_place_keeps_the_model_dtype():
     eos = 7
     logits = random_logits(6, seed=9).to(torch.bfloat16)
     logits[:, eos] = 100.0  # the top logit everywhere, banned for the ignore_eos rows
+    logits[2, 5] = logits[2, 3] = 60.0  # a tie after the ban: the first index wins, as with argmax
     params = [SamplingParams(temperature=0, ignore_eos=i % 2 == 0) for i in range(6)]
     general = Sampler([eos], V)(logits.float(), states_for(params), inplace=False).token_ids
     given = logits.clone()
     fast = Sampler([eos], V)(given, states_for(params), inplace=True)
     assert torch.equal(fast.token_ids, general)
     assert fast.token_ids.tolist()[1::2] == [eos] * 3 and eos not in fast.token_ids.tolist()[0::2]
+    assert int(fast.token_ids[2]) == 3
     assert given.dtype == torch.bfloat16 and float(given[0, eos]) == float("-inf")  # banned in place
     assert fast.logprobs == [None] * 6 and fast.top_logprobs == [[]] * 6
