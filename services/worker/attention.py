@@ -12,7 +12,7 @@ import contextvars
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -115,6 +115,7 @@ class ForwardContext:
     kv_cache: KVCache
     num_tokens: int | None = None  # the batch's tokens when a compiled pass pads them (else None)
     lora: Any = None
+    memo: dict = field(default_factory=dict)  # per-pass values the layers share (``pass_memo``)
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -130,6 +131,14 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _CONTEXT.reset(token)
+
+
+def pass_memo() -> dict | None:
+    """A dict that lives for the pass being run (``ForwardContext.memo``): what every layer would
+    otherwise compute again from the same inputs (the rotary cos / sin of the pass's positions); None
+    outside a pass."""
+    ctx = _CONTEXT.get()
+    return None if ctx is None else ctx.memo
 
 
 def current_lora() -> Any:

@@ -13,7 +13,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from fuseserve.worker import parallel
-from fuseserve.worker.attention import attention
+from fuseserve.worker.attention import attention, pass_memo
 from fuseserve.worker.model_args import ModelArgs
 from fuseserve.worker.parallel import RowParallelLinear
 
@@ -92,9 +92,22 @@ class Rotary(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by ``positions [T]``."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, rotary_dim]`` of ``positions``, gathered once per pass (``pass_memo``:
+        every layer rotates by the same positions; eager only, the compiled graph does it its own way)."""
+        memo = None if torch.compiler.is_compiling() else pass_memo()
+        key = (id(self), id(positions), dtype)
+        hit = memo.get(key) if memo is not None else None
+        if hit is not None and hit[0] is positions:
+            return hit[1], hit[2]
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        if memo is not None:
+            memo[key] = (positions, cos, sin)
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == x.shape[-1]:
