@@ -2,8 +2,9 @@
 
 ``cpu_attention.cpp`` attends every query of a SplitFuse pass (prefill chunks and decode tokens, one
 call) to its keys where they lie in the paged cache: it walks each sequence's block table, widens one
-block of K/V at a time to fp32, and keeps flash-attention's running max and sum (online softmax), so
-nothing is gathered or copied per layer. The reference (``kernels/reference.py``) copies each
+block of K/V at a time to fp32, and keeps flash-attention's running max and sum (online softmax) for
+a prefill tile; decode rows read every KV head of a cache row together and take their softmax in two
+passes over the keys (the source's header says how). Nothing is gathered or copied per layer. The reference (``kernels/reference.py``) copies each
 sequence's whole K/V out of the cache per layer and loops over prefill chunks in Python.
 
 Build: at first use, ``c++`` (or ``$CXX``) compiles the source against torch's headers
