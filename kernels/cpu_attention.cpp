@@ -19,7 +19,9 @@
 //    two passes over the keys, no running rescale. First every visible key's score into a per-row
 //    buffer: each key's 16-lane partial products, and 16 keys' partials folded into one vector of 16
 //    scores by a butterfly of two-source shuffles (15 shuffle-pairs and adds per 16 keys instead of a
-//    horizontal sum per key); then one max, exp and sum per row; then acc += P V.
+//    horizontal sum per key); then one max, exp and sum per row; then acc += P V. With at least 4
+//    such items per thread, the item of KV head 0 does every head of its tokens, reading whole cache
+//    rows in order (one head's elements at the token stride read at a third of the bandwidth).
 //
 // The caches hold the query's dtype, or float8 e4m3 (an fp8 KV cache, kernels/kv_quant.py): each
 // byte is widened to fp32 through a 256-entry table as its block is read; the per-tensor scales are
