@@ -71,8 +71,7 @@ inline float widen(KT x, const float* fp8) {
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 constexpr int64_t KC = 16;           // keys per chunk: one v16 of scores per query row
-constexpr int64_t TRANSPOSE_ROWS = 8;
-  // from this many rows on, scores use K transposed (see below)
+constexpr int64_t TRANSPOSE_ROWS = 8;  // from this many rows on, scores use K transposed (see below)
 
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -98,30 +97,24 @@ inline v16 load16(const KT* p) {
 }
 
 // One butterfly stage over two vectors of partial sums: lanes with bit W clear get x[i] + x[i ^ W],
-// lanes with bit W set get y[i] + y[i ^ W].
-inline v16 fold8(v16 x, v16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// lanes with bit W set get y[i] + y[i ^ W] (indices 16.. of __builtin_shufflevector name y's lanes).
+constexpr int fold_first(int w, int i) { return (i & w) ? 16 + (i ^ w) : i; }  // x[i] or y[i ^ W]
+constexpr int fold_second(int w, int i) { return (i & w) ? 16 + i : (i ^ w); }  // x[i ^ W] or y[i]
+#define FOLD_LANES(f, w) f(w, 0), f(w, 1), f(w, 2), f(w, 3), f(w, 4), f(w, 5), f(w, 6), f(w, 7), f(w, 8), \
+    f(w, 9), f(w, 10), f(w, 11), f(w, 12), f(w, 13), f(w, 14), f(w, 15)
+template <int W>
+inline v16 fold(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, FOLD_LANES(fold_first, W)) +
+         __builtin_shufflevector(x, y, FOLD_LANES(fold_second, W));
 }
-inline v16 fold4(v16 x, v16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-}
-inline v16 fold2(v16 x, v16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-inline v16 fold1(v16 x, v16 y) {
-  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
+#undef FOLD_LANES
 
 // t[j]: key j's 16 partial products; returns the 16 keys' sums, lane j = key j.
 inline v16 fold16(v16* t) {
-  for (int k = 0; k < 8; ++k) t[k] = fold8(t[k], t[k + 8]);
-  for (int k = 0; k < 4; ++k) t[k] = fold4(t[k], t[k + 4]);
-  for (int k = 0; k < 2; ++k) t[k] = fold2(t[k], t[k + 2]);
-  return fold1(t[0], t[1]);
+  for (int k = 0; k < 8; ++k) t[k] = fold<8>(t[k], t[k + 8]);
+  for (int k = 0; k < 4; ++k) t[k] = fold<4>(t[k], t[k + 4]);
+  for (int k = 0; k < 2; ++k) t[k] = fold<2>(t[k], t[k + 2]);
+  return fold<1>(t[0], t[1]);
 }
 
 inline float hsum(v16 v) {
@@ -155,6 +148,35 @@ inline v16 exp_neg_v(v16 x) {
   const v16i bits = (__builtin_convertvector(k, v16i) + 127) << 23;
   const v16 scale = (v16)bits;
   return x < lim ? splat(0.0f) : p * scale;
+}
+
+// Lane i holds i.
+inline v16i lane_ids() {
+  v16i lane{};
+  for (int i = 0; i < 16; ++i) lane[i] = i;
+  return lane;
+}
+
+// Walk keys [first_block * block_size, hi] block by block in chunks of up to KC keys that stay inside
+// one block: f(b, c0, j0, n) for block b, offset c0 in it, first key j0 and n keys.
+template <typename F>
+inline void for_each_chunk(int64_t first_block, int64_t hi, int64_t block_size, F&& f) {
+  for (int64_t b = first_block; b * block_size <= hi; ++b) {
+    const int64_t n_block = std::min<int64_t>(block_size, hi + 1 - b * block_size);
+    for (int64_t c0 = 0; c0 < n_block; c0 += KC) f(b, c0, b * block_size + c0, std::min<int64_t>(KC, n_block - c0));
+  }
+}
+
+// One row's scores of the chunk of keys j0 + lane: soft-capped when soft_cap > 0, -inf where the key is
+// past the chunk's n, after the row's position p, or outside its sliding window.
+inline v16 capped_visible(v16 sr, float soft_cap, int64_t j0, int64_t n, int64_t p, int64_t window) {
+  if (soft_cap > 0.0f) {
+    for (int j = 0; j < KC; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
+  }
+  const v16i lane = lane_ids(), keys = lane + static_cast<int32_t>(j0);
+  v16i visible = (lane < static_cast<int32_t>(n)) & (keys <= static_cast<int32_t>(p));
+  if (window > 0) visible &= keys > static_cast<int32_t>(p - window);
+  return visible ? sr : splat(NEG_INF);
 }
 
 struct Item {
@@ -278,8 +300,6 @@ void attend_few_rows(const v16* q, int64_t rows, int64_t heads, int64_t nv, cons
   const int64_t len = hi + 1 - base, width = (len + 15) / 16 * 16 + KC, all = heads * rows;
   sbuf.resize(all * width);
   float* sb = sbuf.data();
-  v16i lane{};
-  for (int i = 0; i < 16; ++i) lane[i] = i;
   v16 t[KC];
   // one chunk of up to KC cache rows, every head, widened: kw[(hh * KC + j) * nv + v]
   auto load_chunk = [&](const KT* src, int64_t n) {
@@ -291,35 +311,22 @@ void attend_few_rows(const v16* q, int64_t rows, int64_t heads, int64_t nv, cons
     }
   };
   // pass 1: scores of every key up to hi (those a row may not see are -inf)
-  for (int64_t b = base / block_size; b * block_size <= hi; ++b) {
-    const int64_t n_block = std::min<int64_t>(block_size, hi + 1 - b * block_size);
-    for (int64_t c0 = 0; c0 < n_block; c0 += KC) {
-      const int64_t j0 = b * block_size + c0, n = std::min<int64_t>(KC, n_block - c0);
-      load_chunk(kb + table[b] * block_stride + c0 * tok_stride, n);
-      const v16i keys = lane + static_cast<int32_t>(j0);
-      const v16i in_chunk = lane < static_cast<int32_t>(n);
-      for (int64_t rr = 0; rr < all; ++rr) {
-        const v16* qr = q + rr * nv;
-        const v16* kh = kw + (rr / rows) * KC * nv;
-        for (int64_t j = 0; j < n; ++j) {
-          const v16* kj = kh + j * nv;
-          v16 a = qr[0] * kj[0];
-          for (int64_t v = 1; v < nv; ++v) a += qr[v] * kj[v];
-          t[j] = a;
-        }
-        for (int64_t j = n; j < KC; ++j) t[j] = splat(0.0f);
-        v16 sr = fold16(t);
-        if (soft_cap > 0.0f) {
-          for (int j = 0; j < KC; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
-        }
-        const int32_t p = static_cast<int32_t>(pos[rr % rows]);
-        v16i visible = in_chunk & (keys <= p);
-        if (window > 0) visible &= keys > p - static_cast<int32_t>(window);
-        sr = visible ? sr : splat(NEG_INF);
-        std::memcpy(sb + rr * width + (j0 - base), &sr, sizeof(sr));  // lanes past n: the next chunk's
+  for_each_chunk(base / block_size, hi, block_size, [&](int64_t b, int64_t c0, int64_t j0, int64_t n) {
+    load_chunk(kb + table[b] * block_stride + c0 * tok_stride, n);
+    for (int64_t rr = 0; rr < all; ++rr) {
+      const v16* qr = q + rr * nv;
+      const v16* kh = kw + (rr / rows) * KC * nv;
+      for (int64_t j = 0; j < n; ++j) {
+        const v16* kj = kh + j * nv;
+        v16 a = qr[0] * kj[0];
+        for (int64_t v = 1; v < nv; ++v) a += qr[v] * kj[v];
+        t[j] = a;
       }
+      for (int64_t j = n; j < KC; ++j) t[j] = splat(0.0f);
+      const v16 sr = capped_visible(fold16(t), soft_cap, j0, n, pos[rr % rows], window);
+      std::memcpy(sb + rr * width + (j0 - base), &sr, sizeof(sr));  // lanes past n: the next chunk's
     }
-  }
+  });
   // pass 2: per row, p = exp(s - max) in place and l = sum p
   const int64_t nvec = (len + 15) / 16;
   for (int64_t rr = 0; rr < all; ++rr) {
@@ -344,18 +351,14 @@ void attend_few_rows(const v16* q, int64_t rows, int64_t heads, int64_t nv, cons
   }
   // pass 3: acc = P V
   std::fill(acc, acc + all * nv, splat(0.0f));
-  for (int64_t b = base / block_size; b * block_size <= hi; ++b) {
-    const int64_t n_block = std::min<int64_t>(block_size, hi + 1 - b * block_size);
-    for (int64_t c0 = 0; c0 < n_block; c0 += KC) {
-      const int64_t j0 = b * block_size + c0, n = std::min<int64_t>(KC, n_block - c0);
-      load_chunk(vb + table[b] * block_stride + c0 * tok_stride, n);
-      for (int64_t rr = 0; rr < all; ++rr) {
-        v16 pr;
-        std::memcpy(&pr, sb + rr * width + (j0 - base), sizeof(pr));
-        accumulate_pv(acc + rr * nv, nv, 1.0f, pr, kw + (rr / rows) * KC * nv, n);
-      }
+  for_each_chunk(base / block_size, hi, block_size, [&](int64_t b, int64_t c0, int64_t j0, int64_t n) {
+    load_chunk(vb + table[b] * block_stride + c0 * tok_stride, n);
+    for (int64_t rr = 0; rr < all; ++rr) {
+      v16 pr;
+      std::memcpy(&pr, sb + rr * width + (j0 - base), sizeof(pr));
+      accumulate_pv(acc + rr * nv, nv, 1.0f, pr, kw + (rr / rows) * KC * nv, n);
     }
-  }
+  });
 }
 
 template <typename T, typename KT>
@@ -385,8 +388,6 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t t = cu[s]; t < cu[s + 1]; t += TILE_Q) items.push_back({s, t, std::min<int64_t>(TILE_Q, cu[s + 1] - t)});
   }
   const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
-  v16i lane{};
-  for (int i = 0; i < 16; ++i) lane[i] = i;
 
   // Few-row items read every KV head of their rows at once (work item (tile, head 0) does them all)
   // when there are enough of them to keep the threads busy; otherwise one head per item.
@@ -445,36 +446,23 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       std::fill(acc.begin(), acc.begin() + rows * nv, splat(0.0f));
       std::fill(m.begin(), m.begin() + rows, NEG_INF);
       std::fill(l.begin(), l.begin() + rows, 0.0f);
-      for (int64_t b = lo / block_size; b * block_size <= hi; ++b) {
-        const int64_t n_block = std::min<int64_t>(block_size, hi + 1 - b * block_size);
-        for (int64_t c0 = 0; c0 < n_block; c0 += KC) {
-          const int64_t j0 = b * block_size + c0, n = std::min<int64_t>(KC, n_block - c0);
-          const int64_t base = table[b] * kv_block_stride + c0 * kv_tok_stride + h * head_dim;
-          widen_chunk(kp + base, kv_tok_stride, n, head_dim, nv, fp8, kw.data());
-          widen_chunk(vp + base, kv_tok_stride, n, head_dim, nv, fp8, vw.data());
-          chunk_scores(qf.data(), rows, nv, kw.data(), kt.data(), s.data());
-          const v16i keys = lane + static_cast<int32_t>(j0);
-          const v16i in_chunk = lane < static_cast<int32_t>(n);
-          for (int64_t r = 0; r < rows; ++r) {
-            v16 sr = s[r];
-            if (soft_cap > 0.0f) {
-              for (int j = 0; j < KC; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
-            }
-            const int32_t p = static_cast<int32_t>(pos[r]);
-            v16i visible = in_chunk & (keys <= p);
-            if (window > 0) visible &= keys > p - static_cast<int32_t>(window);
-            sr = visible ? sr : splat(NEG_INF);
-            const float block_max = hmax(sr);
-            if (block_max == NEG_INF) continue;  // nothing visible to this row in this chunk
-            const float m_new = std::max(m[r], block_max);
-            const float alpha = exp_neg_v(splat(m[r] - m_new))[0];  // m[r] = -inf → 0
-            const v16 pr = exp_neg_v(sr - m_new);        // invisible lanes: exp(-inf) = 0
-            l[r] = l[r] * alpha + hsum(pr);
-            m[r] = m_new;
-            accumulate_pv(acc.data() + r * nv, nv, alpha, pr, vw.data(), n);
-          }
+      for_each_chunk(lo / block_size, hi, block_size, [&](int64_t b, int64_t c0, int64_t j0, int64_t n) {
+        const int64_t base = table[b] * kv_block_stride + c0 * kv_tok_stride + h * head_dim;
+        widen_chunk(kp + base, kv_tok_stride, n, head_dim, nv, fp8, kw.data());
+        widen_chunk(vp + base, kv_tok_stride, n, head_dim, nv, fp8, vw.data());
+        chunk_scores(qf.data(), rows, nv, kw.data(), kt.data(), s.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const v16 sr = capped_visible(s[r], soft_cap, j0, n, pos[r], window);
+          const float block_max = hmax(sr);
+          if (block_max == NEG_INF) continue;  // nothing visible to this row in this chunk
+          const float m_new = std::max(m[r], block_max);
+          const float alpha = exp_neg_v(splat(m[r] - m_new))[0];  // m[r] = -inf → 0
+          const v16 pr = exp_neg_v(sr - m_new);                    // invisible lanes: exp(-inf) = 0
+          l[r] = l[r] * alpha + hsum(pr);
+          m[r] = m_new;
+          accumulate_pv(acc.data() + r * nv, nv, alpha, pr, vw.data(), n);
         }
-      }
+      });
       write_rows(it, h, rows, 1);
     }
   });
