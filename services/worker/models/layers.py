@@ -98,16 +98,21 @@ class Rotary(nn.Module):
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, rotary_dim]`` of ``positions``, gathered once per pass (``pass_memo``:
         every layer rotates by the same positions; eager only, the compiled graph does it its own way)."""
-        memo = None if torch.compiler.is_compiling() else pass_memo()
+        if torch.compiler.is_compiling():  # no id() under dynamo: it guards on it and recompiles every pass
+            return self._gather(positions, dtype)
+        memo = pass_memo()
+        if memo is None:
+            return self._gather(positions, dtype)
         key = (id(self), id(positions), dtype)
-        hit = memo.get(key) if memo is not None else None
+        hit = memo.get(key)
         if hit is not None and hit[0] is positions:
             return hit[1], hit[2]
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        if memo is not None:
-            memo[key] = (positions, cos, sin)
+        cos, sin = self._gather(positions, dtype)
+        memo[key] = (positions, cos, sin)
         return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == x.shape[-1]:
