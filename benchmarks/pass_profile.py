@@ -14,7 +14,8 @@ in this run (best of six 0.5-s samples of a 1024^3 matmul). ``--profile`` adds `
 self CPU time grouped into matmuls, attention, KV write, element-wise and other ops.
 
 ``--engine KEY=VALUE`` (repeatable) sets ``EngineConfig`` fields (``compile=false``, ...);
-``--variants compiled:2,eager:2,eager:1`` alternates the compiled and eager forward and torch's
+``--variants compiled:2,eager:2,unfused:2,eager:1`` alternates the compiled and eager forward (unfused:
+eager with ATen's element-wise ops instead of ``cpu_fused``'s) and torch's
 thread count pass by pass on the one runner, so every variant sees the same machine load.
 
 ``python -m benchmarks.pass_profile [--passes 12] [--profile] [--out FILE.json]``
@@ -32,6 +33,7 @@ import torch
 from benchmarks.metrics import model_flops_per_token
 from benchmarks.offline_peers import gemm_flops
 from fuseserve.config import EngineConfig
+from fuseserve.kernels import cpu_fused
 from fuseserve.model_source import resolve_model
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.block_accounting import BlockAccount, assign_block_ids
@@ -172,6 +174,7 @@ def measure(a: argparse.Namespace) -> dict:
         mode, threads = variant.split(":")
         torch.set_num_threads(int(threads))
         bench.runner.compiled = compiled if mode == "compiled" else None
+        cpu_fused.ENABLED = mode != "unfused"  # unfused: eager with ATen's element-wise ops
 
     for v in variants:  # warm-up of each variant
         use(v)
@@ -252,7 +255,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default=None,
-        help="MODE:THREADS, comma-separated, alternated pass by pass (compiled:2,eager:2,eager:1); "
+        help="MODE:THREADS, comma-separated, alternated pass by pass (compiled:2,eager:2,unfused:2,eager:1); "
         "the last one is profiled",
     )
     ap.add_argument("--profile", action="store_true")

@@ -42,7 +42,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
+
+using namespace fuseserve_cpu_vec;
 
 constexpr int64_t TILE_Q = 16;  // query tokens per work item (prefill); rows = TILE_Q * group
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -67,34 +71,12 @@ inline float widen(KT x, const float* fp8) {
   }
 }
 
-// 16 fp32 lanes: one AVX-512 register, two AVX2 ones (GCC / Clang vector extensions, no intrinsics).
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 constexpr int64_t KC = 16;           // keys per chunk: one v16 of scores per query row
 constexpr int64_t TRANSPOSE_ROWS = 8;  // from this many rows on, scores use K transposed (see below)
-
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-inline v16 splat(float x) { return v16{} + x; }
 
 // Caches whose rows load 16 elements at a time as fp32 (the few-rows path); fp16 and fp8 go element by element.
 template <typename KT>
 constexpr bool kVectorLoad = std::is_same_v<KT, float> || std::is_same_v<KT, c10::BFloat16>;
-
-// 16 consecutive cache elements as fp32 lanes (bf16: the 16 bits become a float's high half).
-template <typename KT>
-inline v16 load16(const KT* p) {
-  if constexpr (std::is_same_v<KT, float>) {
-    v16 x;
-    std::memcpy(&x, p, sizeof(x));
-    return x;
-  } else {
-    v16h h;
-    std::memcpy(&h, p, sizeof(h));
-    return (v16)(__builtin_convertvector(h, v16u) << 16);
-  }
-}
 
 // One butterfly stage over two vectors of partial sums: lanes with bit W clear get x[i] + x[i ^ W],
 // lanes with bit W set get y[i] + y[i ^ W] (indices 16.. of __builtin_shufflevector name y's lanes).
@@ -117,11 +99,6 @@ inline v16 fold16(v16* t) {
   return fold<1>(t[0], t[1]);
 }
 
-inline float hsum(v16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
 
 inline float hmax(v16 v) {
   float m = v[0];
@@ -129,26 +106,6 @@ inline float hmax(v16 v) {
   return m;
 }
 
-// exp(x) on 16 lanes for x <= 0 (arguments here are score - running max): 2^k * p(r) with
-// r = x - k ln2 in [-ln2/2, ln2/2] (k rounded to nearest by the 1.5 * 2^23 trick) and a degree-6
-// polynomial (relative error ~2e-7); x < -87 (and -inf) → 0.
-inline v16 exp_neg_v(v16 x) {
-  const v16 lim = splat(-87.0f);
-  const v16 xc = x < lim ? lim : x;
-  const v16 magic = splat(12582912.0f);
-  const v16 k = (xc * 1.4426950408889634f + magic) - magic;
-  const v16 r = xc - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  v16 p = splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const v16i bits = (__builtin_convertvector(k, v16i) + 127) << 23;
-  const v16 scale = (v16)bits;
-  return x < lim ? splat(0.0f) : p * scale;
-}
 
 // Lane i holds i.
 inline v16i lane_ids() {

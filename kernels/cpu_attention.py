@@ -7,110 +7,35 @@ a prefill tile; decode rows read every KV head of a cache row together and take 
 passes over the keys (the source's header says how). Nothing is gathered or copied per layer. The reference (``kernels/reference.py``) copies each
 sequence's whole K/V out of the cache per layer and loops over prefill chunks in Python.
 
-Build: at first use, ``c++`` (or ``$CXX``) compiles the source against torch's headers
-(``torch.utils.cpp_extension.include_paths()``) with ``-O3 -march=native -fopenmp`` into
-``~/.cache/fuseserve/extensions/`` (``$FUSESERVE_EXTENSIONS_DIR`` overrides); the file name carries
-a hash of the source, the flags, the torch version and the CPU's model and flags, so a rebuilt or
-moved cache never loads a library built for another CPU or torch. About 30-60 s on 2 cores, once.
-No ninja and no pybind11 are needed: the operator registers itself with ``TORCH_LIBRARY`` and loads
-with ``torch.ops.load_library``. Without a compiler ``load()`` raises ``CpuKernelUnavailable`` with
-the reason; ``get_backend("auto")`` then falls back to the reference and says so once.
+Build: at first use, by ``cpu_build`` (``c++ -O3 -march=native -fopenmp`` against torch's headers,
+cached in ``~/.cache/fuseserve/extensions/`` under a hash of the source, flags, torch and CPU; about
+30-60 s on 2 cores, once). Without a compiler ``load()`` raises ``CpuKernelUnavailable`` with the
+reason; ``get_backend("auto")`` then falls back to the reference and says so once.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fuseserve.kernels import kv_quant, reference
-
-log = logging.getLogger(__name__)
+from fuseserve.kernels import cpu_build, kv_quant, reference
+from fuseserve.kernels.cpu_build import CpuKernelUnavailable
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 OP_NAMESPACE = "fuseserve_cpu"
-
-
-class CpuKernelUnavailable(RuntimeError):
-    """The C++ CPU attention operator cannot be built or loaded here (the message says why)."""
-
-
-def _cpu_signature() -> str:
-    """The CPU's model name and feature flags (``-march=native`` builds are valid only on a match)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(keep)))
-
-
-def _flags() -> list[str]:
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
-        flags.append("-march=native")
-    return flags
-
-
-def _library_path(cxx: str) -> Path:
-    root = Path(
-        os.environ.get("FUSESERVE_EXTENSIONS_DIR", Path.home() / ".cache" / "fuseserve" / "extensions")
-    )
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_flags()).encode(), torch.__version__.encode(), cxx.encode()):
-        h.update(part)
-    h.update(_cpu_signature().encode())
-    return root / f"fuseserve_cpu_attention_{h.hexdigest()[:16]}.so"
-
-
-def _compile(cxx: str, target: Path) -> None:
-    from torch.utils.cpp_extension import include_paths
-
-    torch_lib = Path(torch.__file__).parent / "lib"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        partial = Path(tmp) / target.name
-        cmd = [cxx, *_flags(), str(SOURCE), "-o", str(partial)]
-        cmd += [f"-I{p}" for p in include_paths()]
-        cmd += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
-        log.info("building the CPU attention operator (once): %s", " ".join(cmd[:3]))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise CpuKernelUnavailable(f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-4000:]}")
-        os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+__all__ = ["CpuKernelUnavailable", "available", "load", "paged_attention", "plan", "write_and_attend"]
 
 
 @functools.cache
 def load() -> Any:
-    """``torch.ops.fuseserve_cpu``, building the library first if no cached build exists.
+    """``torch.ops.fuseserve_cpu``, building the library first if no cached build exists (``cpu_build``).
 
     Raises ``CpuKernelUnavailable`` when no C++ compiler is on PATH or the build fails.
     """
-    cxx = os.environ.get("CXX", "c++")
-    found = shutil.which(cxx)
-    target = _library_path(cxx)
-    if not target.exists():
-        if found is None:
-            raise CpuKernelUnavailable(
-                f"no C++ compiler ({cxx!r}) on PATH: install g++ (e.g. apt-get install g++) or set CXX; "
-                "until then the CPU path uses the PyTorch reference attention"
-            )
-        _compile(found, target)
-    try:
-        torch.ops.load_library(str(target))
-    except OSError as e:
-        raise CpuKernelUnavailable(f"cannot load {target}: {e}") from e
-    return getattr(torch.ops, OP_NAMESPACE)
+    return cpu_build.load(SOURCE, OP_NAMESPACE)
 
 
 def available() -> bool:

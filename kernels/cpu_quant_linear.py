@@ -8,21 +8,14 @@ Triton kernel's (``fuseserve.kernels.triton_quant_linear.pack_weight``). Passes 
 (``widened_matmul``: a GEMM reuses each weight across rows, where the dequantized chunk costs little).
 ``Bf16Linear`` runs the same two paths for a float weight kept in bfloat16.
 
-Build: as the CPU attention operator (``fuseserve.kernels.cpu_attention``): ``c++`` (or ``$CXX``)
-compiles the source at first use into ``~/.cache/fuseserve/extensions/`` (``$FUSESERVE_EXTENSIONS_DIR``),
-the file named by a hash of the source, flags, torch version and CPU; loaded with
-``torch.ops.load_library``. ``available()`` is False (and the kernel not a candidate) without a compiler.
+Build: at first use, by ``fuseserve.kernels.cpu_build`` (as the CPU attention operator).
+``available()`` is False (and the kernel not a candidate) without a compiler.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fuseserve.kernels import cpu_attention
+from fuseserve.kernels import cpu_attention, cpu_build
 from fuseserve.kernels.quant_kernels import PackedLinear
 from fuseserve.kernels.quant_weight import QuantizedWeight
 
@@ -46,49 +39,11 @@ kernel's time grows with the rows, the chunked path's little, crossing at about 
 above 32 rows the whole matrix was dequantized per call: 78-84, 39-45, 7.4-10.4 ms.)"""
 
 
-def _library_path(cxx: str) -> Path:
-    root = Path(
-        os.environ.get("FUSESERVE_EXTENSIONS_DIR", Path.home() / ".cache" / "fuseserve" / "extensions")
-    )
-    h = hashlib.sha256()
-    flags = " ".join(cpu_attention._flags())
-    for part in (SOURCE.read_bytes(), flags.encode(), torch.__version__.encode(), cxx.encode()):
-        h.update(part)
-    h.update(cpu_attention._cpu_signature().encode())
-    return root / f"fuseserve_cpu_quant_linear_{h.hexdigest()[:16]}.so"
-
-
 @functools.cache
 def load() -> Any:
-    """``torch.ops.fuseserve_cpu_quant``, building the library first if needed. Raises
+    """``torch.ops.fuseserve_cpu_quant``, building the library first if needed (``cpu_build``). Raises
     ``cpu_attention.CpuKernelUnavailable`` without a compiler or when the build fails."""
-    from torch.utils.cpp_extension import include_paths
-
-    cxx = os.environ.get("CXX", "c++")
-    target = _library_path(cxx)
-    if not target.exists():
-        found = shutil.which(cxx)
-        if found is None:
-            raise cpu_attention.CpuKernelUnavailable(f"no C++ compiler ({cxx!r}) on PATH")
-        torch_lib = Path(torch.__file__).parent / "lib"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            partial = Path(tmp) / target.name
-            cmd = [found, *cpu_attention._flags(), str(SOURCE), "-o", str(partial)]
-            cmd += [f"-I{p}" for p in include_paths()]
-            cmd += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
-            log.info("building the CPU quantized matmul (once)")
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise cpu_attention.CpuKernelUnavailable(
-                    f"{cxx} failed on {SOURCE.name}:\n{proc.stderr[-4000:]}"
-                )
-            os.replace(partial, target)
-    try:
-        torch.ops.load_library(str(target))
-    except OSError as e:
-        raise cpu_attention.CpuKernelUnavailable(f"cannot load {target}: {e}") from e
-    return torch.ops.fuseserve_cpu_quant
+    return cpu_build.load(SOURCE, "fuseserve_cpu_quant")
 
 
 def available() -> bool:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from fuseserve.kernels import cpu_fused
 from fuseserve.worker import parallel
 from fuseserve.worker.attention import attention, pass_memo
 from fuseserve.worker.model_args import ModelArgs
@@ -33,6 +34,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., dim]`` → ``[..., dim]``."""
+        if cpu_fused.usable(x, self.weight):
+            return cpu_fused.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return self._aten(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = x + residual`` and its norm, ``x`` / ``residual [T, dim]`` → ``(norm(h), h)``; on CPU one
+        fused call (``cpu_fused.add_rms_norm``)."""
+        if cpu_fused.usable(x, residual, self.weight) and x.stride(-1) == 1 and residual.stride(-1) == 1:
+            return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+        h = x + residual
+        return self._aten(h), h
+
+    def _aten(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -91,7 +105,17 @@ class Rotary(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by ``positions [T]``."""
+        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by ``positions [T]``; on CPU in place, one fused
+        call (``cpu_fused.rotary_``: the returned tensors are ``q`` and ``k`` themselves)."""
+        if (
+            cpu_fused.usable(q, k)
+            and self.cos.device.type == "cpu"
+            and positions.dtype == torch.int64
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+        ):
+            cpu_fused.rotary_(q, k, positions.contiguous(), self.cos, self.sin)
+            return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
@@ -240,10 +264,14 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act = ACT2FN[act]
+        self.silu = act in ("silu", "swish")  # the fused CPU operator's activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` → ``[T, hidden]``."""
-        gate, up = self.gate_up_proj.split(x)
+        """``x [T, hidden]`` → ``[T, hidden]``; SiLU on CPU: one fused call (``cpu_fused.silu_mul``)."""
+        gate_up = self.gate_up_proj(x)
+        if self.silu and cpu_fused.usable(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return self.down_proj(cpu_fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # gate and up: equal sizes
         return self.down_proj(self.act(gate) * up)
 
 

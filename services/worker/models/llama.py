@@ -30,8 +30,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(x), positions)
+        normed, h = self.post_attention_layernorm.add_forward(attn, x)  # h = x + attn, then its norm
+        return h + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):
