@@ -11,7 +11,8 @@
 // item's rows are its tokens x the query heads sharing that KV head (GQA), so each key block, read
 // once from the cache and widened to fp32, serves all of them. Keys go in chunks of 16, held as one
 // 16-lane vector of scores per query row (GCC vector extensions: one AVX-512 register or two AVX2
-// ones), head_dim zero-padded to a multiple of 16. Items run in parallel (at::parallel_for).
+// ones), head_dim zero-padded to a multiple of 16. Work items run in parallel, the costliest first,
+// each thread taking the next from a shared counter.
 //  - A prefill tile (many rows): per chunk, scores S = Q K^T with K transposed once and 4 rows x 16
 //    keys accumulated in registers, an online softmax (flash-attention's running max and sum) and
 //    acc += P V.
@@ -35,6 +36,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -351,7 +353,25 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const bool few_rows_path = kVectorLoad<KT> && head_dim % 16 == 0;
   const bool all_heads = static_cast<int64_t>(items.size()) >= 4 * at::get_num_threads();
 
-  at::parallel_for(0, num_work, 1, [&](int64_t begin, int64_t end) {
+  // Work units go to the threads from one shared counter, the costliest first (cost: rows x keys
+  // visible): a static split by index put a prefill chunk's tiles, which come after the decodes of the
+  // same pass, all on the last thread while the other ran out of decodes and waited.
+  std::vector<std::pair<int64_t, int64_t>> order;  // (cost, unit)
+  order.reserve(num_work);
+  for (int64_t w = 0; w < num_work; ++w) {
+    const Item& it = items[w / num_kv_heads];
+    const int64_t rows = it.count * group;
+    const bool few = few_rows_path && rows < TRANSPOSE_ROWS;
+    if (few && all_heads && w % num_kv_heads > 0) continue;  // head 0's unit does this one
+    const int64_t last = lens[it.seq] - (cu[it.seq + 1] - it.first) + it.count - 1;  // its last key
+    const int64_t keys = window > 0 ? std::min<int64_t>(last + 1, window + it.count) : last + 1;
+    order.emplace_back(rows * keys * (few && all_heads ? num_kv_heads : 1), w);
+  }
+  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_units = static_cast<int64_t>(order.size());
+
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_units), 1, [&](int64_t, int64_t) {
     const int64_t max_rows = std::max(TILE_Q * group, num_kv_heads * (TRANSPOSE_ROWS - 1));
     std::vector<v16> qf(max_rows * nv), acc(max_rows * nv), s(max_rows);
     std::vector<v16> kw(KC * nv * num_kv_heads), vw(KC * nv), kt(dp);
@@ -368,13 +388,13 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(ar[d] * inv);
       }
     };
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t u = next.fetch_add(1); u < num_units; u = next.fetch_add(1)) {
+      const int64_t w = order[u].second;
       const Item& it = items[w / num_kv_heads];
       const int64_t h = w % num_kv_heads;
       const int64_t ctx = lens[it.seq], q_len = cu[it.seq + 1] - cu[it.seq];
       const int64_t rows = it.count * group;
       const bool few = few_rows_path && rows < TRANSPOSE_ROWS;
-      if (few && all_heads && h > 0) continue;  // head 0's item did this one
       const int64_t heads = few && all_heads ? num_kv_heads : 1;
       for (int64_t i = 0; i < it.count; ++i) {
         const int64_t p = ctx - q_len + (it.first - cu[it.seq]) + i;
