@@ -88,22 +88,81 @@ def paged_attention(
     return out
 
 
-class CpuAttentionMetadata:
-    """Per-pass inputs of the C++ operator: the batch's own int32 tensors, made contiguous once."""
+SDPA_MIN_TOKENS = 32
+"""Prefill chunks of at least this many tokens go to PyTorch's flash SDPA instead of the operator where
+``sdpa_prefill()`` says it is faster; decodes and shorter chunks stay in the operator."""
 
-    def __init__(self, slot_mapping, block_tables, cu_seqlens_q, seq_lens):
+
+@functools.cache
+def sdpa_prefill() -> bool:
+    """Whether prefill chunks in bf16 run faster in PyTorch's CPU flash SDPA than in the operator here:
+    on CPUs with AMX (``amx_bf16``), whose bf16 tile matmuls SDPA reaches through oneDNN. Measured
+    (``benchmarks.cpu_attention_micro``, 30 layers, SmolLM2 shapes, 2 threads, Xeon with AMX): a fresh
+    256-token chunk 11.1 ms in SDPA vs 27.2 in the operator, 128 after 128 8.4 vs 19.4; on an AVX-512
+    Zen 4 without AMX the two were at parity (0.92x), so there the operator keeps every row."""
+    return "amx_bf16" in cpu_build.cpu_signature().split()
+
+
+class CpuAttentionMetadata:
+    """Per-pass inputs of the C++ operator: the batch's own int32 tensors, made contiguous once; and,
+    where long prefill chunks go to SDPA (``split``), the operator's share of the pass."""
+
+    def __init__(self, slot_mapping, block_tables, cu_seqlens_q, seq_lens, split=None):
         self.slot_mapping = slot_mapping
         self.block_tables = block_tables.to(torch.int32).contiguous()
         self.cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
         self.seq_lens = seq_lens.to(torch.int32).contiguous()
+        self.split: SdpaSplit | None = split
 
 
-def plan(batch: Any) -> CpuAttentionMetadata:
-    """Metadata for one pass of a ``RaggedBatch`` (no Python loop over sequences)."""
+class SdpaSplit:
+    """A pass divided between SDPA (``prefills``: chunks of ``SDPA_MIN_TOKENS`` tokens or more) and the
+    operator (``rest``: the other sequences as their own ``CpuAttentionMetadata``, their tokens
+    ``token_idx [T']`` of the pass; None when every sequence is a long prefill chunk)."""
+
+    def __init__(self, prefills: list[reference.PrefillChunk], rest, token_idx, prefix: bool = False):
+        self.prefills = prefills
+        self.rest: CpuAttentionMetadata | None = rest
+        self.token_idx: torch.Tensor | None = token_idx
+        self.prefix = prefix  # the operator's tokens are the pass's first ones (decodes come first)
+        self._masks: dict = {}
+
+    def masks(self, sliding_window: int | None) -> list:
+        """Each prefill chunk's visibility mask for this window (None: causal), built once per pass."""
+        if sliding_window not in self._masks:
+            self._masks[sliding_window] = [c.mask(sliding_window) for c in self.prefills]
+        return self._masks[sliding_window]
+
+
+def plan(batch: Any, block_size: int = 0) -> CpuAttentionMetadata:
+    """Metadata for one pass of a ``RaggedBatch`` (no Python loop over sequences unless long prefill
+    chunks go to SDPA: ``sdpa_prefill()`` and ``block_size`` given)."""
     tables = batch.block_tables
     if tables.shape[1] == 0:  # an empty pass still needs a 2-D table
         tables = tables.new_zeros((tables.shape[0], 1))
-    return CpuAttentionMetadata(batch.slot_mapping, tables, batch.cu_seqlens_q, batch.seq_lens)
+    split = None
+    if block_size and sdpa_prefill() and max(batch.query_lens, default=0) >= SDPA_MIN_TOKENS:
+        split = _split(batch, tables, block_size)
+    return CpuAttentionMetadata(batch.slot_mapping, tables, batch.cu_seqlens_q, batch.seq_lens, split)
+
+
+def _split(batch: Any, tables: torch.Tensor, block_size: int) -> SdpaSplit:
+    prefills, keep, idx, start = [], [], [], 0
+    for i, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+        if q_len >= SDPA_MIN_TOKENS:
+            blocks = reference.context_blocks(tables[i], ctx, block_size)
+            prefills.append(reference.PrefillChunk(start, start + q_len, blocks, ctx))
+        else:
+            keep.append(i)
+            idx.extend(range(start, start + q_len))
+        start += q_len
+    if not keep:
+        return SdpaSplit(prefills, None, None)
+    rows = torch.tensor(keep)
+    q_lens = torch.tensor([batch.query_lens[i] for i in keep])
+    cu = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)])
+    rest = CpuAttentionMetadata(None, tables[rows], cu, batch.seq_lens[rows])
+    return SdpaSplit(prefills, rest, torch.tensor(idx), prefix=idx[-1] + 1 == len(idx))
 
 
 def write_and_attend(
@@ -120,8 +179,27 @@ def write_and_attend(
     v_scale=1.0,
 ):
     """Write the pass's ``k/v [T, KVH, D]`` at their slots, then attend: ``[T, H * D]`` (an fp8 cache
-    written and read with ``k_scale`` / ``v_scale``)."""
+    written and read with ``k_scale`` / ``v_scale``). With ``meta.split``, bf16 layers without a
+    soft-cap send the long prefill chunks to SDPA and the rest of the pass to the operator."""
     reference.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
+    split = meta.split
+    if split is None or soft_cap is not None or q.dtype != torch.bfloat16 or k_cache.dtype != q.dtype:
+        return _operator(q, k_cache, v_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale)
+    out = torch.empty_like(q)
+    if split.rest is not None and split.prefix:
+        n = split.token_idx.shape[0]
+        out[:n] = _operator(q[:n], k_cache, v_cache, split.rest, scale, sliding_window).view(n, *q.shape[1:])
+    elif split.rest is not None:
+        part = _operator(
+            q.index_select(0, split.token_idx), k_cache, v_cache, split.rest, scale, sliding_window
+        )
+        out.view(q.shape[0], -1).index_copy_(0, split.token_idx, part)
+    for c, mask in zip(split.prefills, split.masks(sliding_window), strict=True):
+        out[c.start : c.end] = reference.prefill_attention(q, k_cache, v_cache, c, mask, scale)
+    return out.flatten(1)
+
+
+def _operator(q, k_cache, v_cache, meta, scale, sliding_window, soft_cap=None, k_scale=1.0, v_scale=1.0):
     out = paged_attention(
         q,
         k_cache,

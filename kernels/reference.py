@@ -214,12 +214,26 @@ def paged_attention(
         od = sdpa(qd, kd, vd, decode_mask, scale, soft_cap)
         out[plan.decode_token_idx] = od.squeeze(2)
     for c, mask in zip(plan.prefills, prefill_masks, strict=True):
-        # 4-D [1, heads, len, D]: the CPU flash kernel takes only batched input (3-D falls back to math)
-        qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
-        kp = gather_blocks(k_cache, c.blocks, q.dtype)[: c.context_len].transpose(0, 1).unsqueeze(0)
-        vp = gather_blocks(v_cache, c.blocks, q.dtype)[: c.context_len].transpose(0, 1).unsqueeze(0)
-        op = sdpa(qp, kp, vp, mask, scale, soft_cap)
-        out[c.start : c.end] = op[0].transpose(0, 1)
+        out[c.start : c.end] = prefill_attention(q, k_cache, v_cache, c, mask, scale, soft_cap)
     if fp8 and v_scale != 1.0:
         out.mul_(v_scale)
     return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """One prefill chunk's attention: ``q [T, H, D]``'s rows ``chunk.start:chunk.end`` over the chunk's
+    ``context_len`` cached keys (gathered block by block) → ``[chunk tokens, H, D]``; ``mask`` from
+    ``chunk.mask(window)`` (None: causal)."""
+    # 4-D [1, heads, len, D]: the CPU flash kernel takes only batched input (3-D falls back to math)
+    qp = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+    kp = gather_blocks(k_cache, chunk.blocks, q.dtype)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
+    vp = gather_blocks(v_cache, chunk.blocks, q.dtype)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
+    return sdpa(qp, kp, vp, mask, scale, soft_cap)[0].transpose(0, 1)

@@ -94,7 +94,7 @@ class CpuAttentionBackend(AttentionBackend):
         cpu_attention.load()
 
     def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
-        return cpu_attention.plan(batch)
+        return cpu_attention.plan(batch, block_size)
 
     def forward(
         self, q, k, v, k_cache, v_cache, metadata, scale, sliding_window=None, soft_cap=None, **kv_scales
