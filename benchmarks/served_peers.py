@@ -132,6 +132,7 @@ def run_system(system: str, a: argparse.Namespace, model_dir: Path, requests: li
     port = free_port()
     argv, env = server_cmd(system, model_dir, port, a.dtype, a.fuseserve_args.split())
     log_path = Path(a.logs) / f"{system}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -40,11 +40,7 @@ def load() -> Any:
 
 def available() -> bool:
     """Whether the operator builds and loads here (the first call may compile it)."""
-    try:
-        load()
-    except CpuKernelUnavailable:
-        return False
-    return True
+    return cpu_build.loads(load)
 
 
 def paged_attention(

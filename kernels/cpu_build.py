@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,15 @@ def load(source: Path, namespace: str, extra: tuple[str, ...] = ()) -> Any:
     except OSError as e:
         raise CpuKernelUnavailable(f"cannot load {target}: {e}") from e
     return getattr(torch.ops, namespace)
+
+
+def loads(load_fn: Callable[[], Any], what: str = "", level: int = logging.INFO) -> bool:
+    """Whether ``load_fn()`` (a source's ``load``) builds and loads its operators here; when it cannot
+    and ``what`` names them, the reason is logged at ``level``."""
+    try:
+        load_fn()
+    except CpuKernelUnavailable as e:
+        if what:
+            log.log(level, "%s unavailable: %s", what, e)
+        return False
+    return True

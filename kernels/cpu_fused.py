@@ -42,12 +42,9 @@ def load() -> Any:
 @functools.cache
 def available() -> bool:
     """Whether the operators build and load here (the first call may compile them; logged once if not)."""
-    try:
-        load()
-    except cpu_build.CpuKernelUnavailable as e:
-        log.warning("fused CPU element-wise operators unavailable, the layers use ATen ops: %s", e)
-        return False
-    return True
+    return cpu_build.loads(
+        load, "fused CPU element-wise operators (the layers use ATen ops)", logging.WARNING
+    )
 
 
 def usable(*tensors: torch.Tensor) -> bool:

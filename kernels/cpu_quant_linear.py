@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fuseserve.kernels import cpu_attention, cpu_build
+from fuseserve.kernels import cpu_build
 from fuseserve.kernels.quant_kernels import PackedLinear
 from fuseserve.kernels.quant_weight import QuantizedWeight
 
@@ -42,18 +42,13 @@ above 32 rows the whole matrix was dequantized per call: 78-84, 39-45, 7.4-10.4 
 @functools.cache
 def load() -> Any:
     """``torch.ops.fuseserve_cpu_quant``, building the library first if needed (``cpu_build``). Raises
-    ``cpu_attention.CpuKernelUnavailable`` without a compiler or when the build fails."""
+    ``cpu_build.CpuKernelUnavailable`` without a compiler or when the build fails."""
     return cpu_build.load(SOURCE, "fuseserve_cpu_quant")
 
 
 def available() -> bool:
     """Whether the operator builds and loads here (the first call may compile it)."""
-    try:
-        load()
-    except cpu_attention.CpuKernelUnavailable as e:
-        log.info("CPU quantized matmul unavailable: %s", e)
-        return False
-    return True
+    return cpu_build.loads(load, "CPU quantized matmul")
 
 
 class CpuQuantGemv(PackedLinear):
