@@ -149,6 +149,18 @@ def test_service_starts_from_the_wheel_with_only_its_requirements(service, wheel
         assert no_torch.returncode != 0, f"the {service} requirements install torch: its image would be GBs"
 
 
+def test_the_wheel_carries_every_cpp_source_and_header(wheel):
+    """The C++ operators compile at first use from the installed package (``kernels/cpu_build.py``):
+    every ``kernels/*.cpp`` and the ``*.h`` they include must be in the wheel."""
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = [p.name for p in sorted((ROOT / "kernels").iterdir()) if p.suffix in (".cpp", ".h")]
+    assert "cpu_vec.h" in sources and "cpu_fused.cpp" in sources
+    missing = [n for n in sources if f"fuseserve/kernels/{n}" not in names]
+    assert not missing, f"not in the wheel: {missing}"
+
+
 def _names(path: Path) -> set[str]:
     """Distribution names in a requirements file, following ``-r`` includes."""
     import re

@@ -29,6 +29,7 @@ def stack(smollm2_source):
         device="cpu",
         threads=1,
         tensor_parallel_size=3,
+        dtype="float32",  # exact text: in bf16 the answer's first token ties ("The" / "L", 1 step apart)
     ) as server:
         yield server.stack, server.url
 
