@@ -4,8 +4,12 @@
 call) to its keys where they lie in the paged cache: it walks each sequence's block table, widens one
 block of K/V at a time to fp32, and keeps flash-attention's running max and sum (online softmax) for
 a prefill tile; decode rows read every KV head of a cache row together and take their softmax in two
-passes over the keys (the source's header says how). Nothing is gathered or copied per layer. The reference (``kernels/reference.py``) copies each
-sequence's whole K/V out of the cache per layer and loops over prefill chunks in Python.
+passes over the keys (the source's header says how). Nothing is gathered or copied per layer. The
+reference (``kernels/reference.py``) copies each sequence's whole K/V out of the cache per layer and
+loops over prefill chunks in Python. One exception, measured: on CPUs with AMX, bf16 prefill chunks of
+``SDPA_MIN_TOKENS`` or more go to PyTorch's flash SDPA (the reference's per-chunk call, its K/V
+gathered), which reaches AMX tiles through oneDNN; the rest of the pass stays in the operator
+(``sdpa_prefill``, ``SdpaSplit``).
 
 Build: at first use, by ``cpu_build`` (``c++ -O3 -march=native -fopenmp`` against torch's headers,
 cached in ``~/.cache/fuseserve/extensions/`` under a hash of the source, flags, torch and CPU; about
