@@ -184,33 +184,23 @@ def write_and_attend(
     reference.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
     split = meta.split
     if split is None or soft_cap is not None or q.dtype != torch.bfloat16 or k_cache.dtype != q.dtype:
-        return _operator(q, k_cache, v_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale)
+        return _operator(
+            q, k_cache, v_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale
+        ).flatten(1)
     out = torch.empty_like(q)
     if split.rest is not None and split.prefix:
         n = split.token_idx.shape[0]
-        out[:n] = _operator(q[:n], k_cache, v_cache, split.rest, scale, sliding_window).view(n, *q.shape[1:])
+        out[:n] = _operator(q[:n], k_cache, v_cache, split.rest, scale, sliding_window)
     elif split.rest is not None:
-        part = _operator(
-            q.index_select(0, split.token_idx), k_cache, v_cache, split.rest, scale, sliding_window
+        rows = q.index_select(0, split.token_idx)
+        out.index_copy_(
+            0, split.token_idx, _operator(rows, k_cache, v_cache, split.rest, scale, sliding_window)
         )
-        out.view(q.shape[0], -1).index_copy_(0, split.token_idx, part)
     for c, mask in zip(split.prefills, split.masks(sliding_window), strict=True):
         out[c.start : c.end] = reference.prefill_attention(q, k_cache, v_cache, c, mask, scale)
     return out.flatten(1)
 
 
-def _operator(q, k_cache, v_cache, meta, scale, sliding_window, soft_cap=None, k_scale=1.0, v_scale=1.0):
-    out = paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.cu_seqlens_q,
-        meta.seq_lens,
-        scale,
-        sliding_window,
-        soft_cap,
-        k_scale,
-        v_scale,
-    )
-    return out.flatten(1)
+def _operator(q, k_cache, v_cache, meta: CpuAttentionMetadata, *args) -> torch.Tensor:
+    """``paged_attention`` of ``q [T, H, D]`` over ``meta``'s block tables and lengths → ``[T, H, D]``."""
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, *args)
