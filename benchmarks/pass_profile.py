@@ -14,8 +14,9 @@ in this run (best of six 0.5-s samples of a 1024^3 matmul). ``--profile`` adds `
 self CPU time grouped into matmuls, attention, KV write, element-wise and other ops.
 
 ``--engine KEY=VALUE`` (repeatable) sets ``EngineConfig`` fields (``compile=false``, ...);
-``--variants compiled:2,eager:2,unfused:2,eager:1`` alternates the compiled and eager forward (unfused:
-eager with ATen's element-wise ops instead of ``cpu_fused``'s) and torch's
+``--variants compiled:2,eager:2,python:2,unfused:2,eager:1`` alternates the compiled and eager forward
+(eager: the decoder layers as one C++ call where ``layer_stack`` applies; python: eager with the layers
+in Python; unfused: python with ATen's element-wise ops instead of ``cpu_fused``'s) and torch's
 thread count pass by pass on the one runner, so every variant sees the same machine load.
 
 ``python -m benchmarks.pass_profile [--passes 12] [--profile] [--out FILE.json]``
@@ -33,7 +34,7 @@ import torch
 from benchmarks.metrics import model_flops_per_token
 from benchmarks.offline_peers import gemm_flops
 from fuseserve.config import EngineConfig
-from fuseserve.kernels import cpu_fused
+from fuseserve.kernels import cpu_fused, cpu_stack
 from fuseserve.model_source import resolve_model
 from fuseserve.sampling_params import SamplingParams
 from fuseserve.scheduler.block_accounting import BlockAccount, assign_block_ids
@@ -175,6 +176,7 @@ def measure(a: argparse.Namespace) -> dict:
         torch.set_num_threads(int(threads))
         bench.runner.compiled = compiled if mode == "compiled" else None
         cpu_fused.ENABLED = mode != "unfused"  # unfused: eager with ATen's element-wise ops
+        cpu_stack.ENABLED = mode not in ("unfused", "python")  # python: eager, layers not in one C++ call
 
     for v in variants:  # warm-up of each variant
         use(v)
@@ -255,7 +257,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default=None,
-        help="MODE:THREADS, comma-separated, alternated pass by pass (compiled:2,eager:2,unfused:2,eager:1); "
+        help="MODE:THREADS, comma-separated, alternated pass by pass (compiled:2,eager:2,python:2,unfused:2,eager:1); "
         "the last one is profiled",
     )
     ap.add_argument("--profile", action="store_true")

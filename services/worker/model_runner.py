@@ -25,6 +25,7 @@ from fuseserve.worker import compiled_forward, kv_migration, parallel, prepacked
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.compiled_forward import CompiledForward
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
+from fuseserve.worker.layer_stack import LayerStack
 from fuseserve.worker.loader import load_model
 from fuseserve.worker.lora_manager import LoRAManager
 from fuseserve.worker.multi_pass_run import run_passes
@@ -85,6 +86,11 @@ class ModelRunner:
         self.compile_s = 0.0  # seconds the warm-up compilation took (0 without compilation)
         if compiled_forward.wanted(self.config.compile) and parallel.world()[1] == 1:
             self._compile(progress)
+        self.layer_stack = (  # eager CPU passes: the decoder layers in one C++ call (layer_stack.py)
+            LayerStack.build(self.model, self.backend, self.kv_cache, self.kv_dtype, self.lora)
+            if self.compiled is None and self.device.type == "cpu"
+            else None
+        )
         num_blocks = self.kv_cache.num_blocks
         self.seq_table = SeqTable(
             num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
@@ -269,6 +275,8 @@ class ModelRunner:
         with forward_context(ctx):
             if self.compiled is not None:
                 hidden = self.compiled(batch.input_ids, batch.positions, ctx)
+            elif self.layer_stack is not None and self.layer_stack.accepts(batch, metadata):
+                hidden = self.layer_stack(batch.input_ids, batch.positions, metadata)
             else:
                 hidden = self.model(batch.input_ids, batch.positions)
             logits = self.model.compute_logits(hidden[batch.logits_indices])

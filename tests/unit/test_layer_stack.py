@@ -1,0 +1,110 @@
+"""The decoder layers as one C++ call (services/worker/layer_stack.py, kernels/cpu_stack.cpp): every
+pass that takes it gives the Python layers' hidden states bit for bit, on each LLaMA-shaped family's
+tiny checkpoint and on SmolLM2 in fp32 and bf16; other families and SDPA-split passes keep Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import EOS, tiny_checkpoint
+
+from fuseserve.config import EngineConfig
+from fuseserve.kernels import cpu_attention, cpu_stack
+from fuseserve.sampling_params import SamplingParams
+from fuseserve.scheduler.block_accounting import BlockAccount, assign_block_ids
+from fuseserve.types import SeqChunk, StepPlan
+from fuseserve.worker import prepacked_linear
+from fuseserve.worker.layer_stack import LayerStack
+from fuseserve.worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_stack.available() and prepacked_linear.available()), reason="no C++ compiler or no oneDNN here"
+)
+
+STACKED = ["llama-gqa", "llama-tied", "mistral-sw16", "qwen2-bias", "phi3-longrope-partial"]
+PYTHON = ["qwen3-qknorm", "gemma2-sw16-softcap", "opt-prenorm", "mixtral-top2of8"]
+
+
+def _dtypes():
+    bf16 = torch.bfloat16 in prepacked_linear._packable_dtypes()  # packed bf16 only where native
+    return ["float32", "bfloat16"] if bf16 else ["float32"]
+
+
+def _runner(path, config, dtype, **engine) -> ModelRunner:
+    cfg = EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="64MiB", compile=False, **engine)
+    return ModelRunner(path, config, [EOS], cfg, progress=False)
+
+
+def _drive(runner: ModelRunner, monkeypatch, prompts: list[int], decodes: int) -> list[int]:
+    """Prefill ``prompts`` (lengths, one pass) then ``decodes`` decode passes through ``runner.step``,
+    every stack call checked against the Python layers on the same inputs; returns the tokens each
+    stack call covered."""
+    calls: list[int] = []
+    stack_call = LayerStack.__call__
+
+    def checked(self, input_ids, positions, metadata):
+        got = stack_call(self, input_ids, positions, metadata)
+        want = runner.model(input_ids, positions)  # inside the runner's forward_context
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+        calls.append(input_ids.shape[0])
+        return got
+
+    monkeypatch.setattr(LayerStack, "__call__", checked)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    blocks = BlockAccount(runner.info.num_blocks, runner.info.block_size, False)
+    gen = torch.Generator().manual_seed(0)
+    chunks = []
+    for sid, n in enumerate(prompts):
+        ids = torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+        chunks.append(SeqChunk(sid, 0, n, ids, sample=True, params=params, prompt_len=n))
+    pos = list(prompts)
+    for step in range(decodes + 1):
+        plan = StepPlan(step, chunks)
+        assign_block_ids(blocks, plan)
+        runner.step(plan)
+        chunks = [SeqChunk(sid, pos[sid], 1, [], sample=True) for sid in range(len(prompts))]
+        pos = [p + 1 for p in pos]
+    return calls
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("family", STACKED)
+def test_stack_equals_python_layers(tmp_path, monkeypatch, family, dtype):
+    _, config = tiny_checkpoint(family, tmp_path)
+    runner = _runner(tmp_path, config, dtype)
+    assert runner.layer_stack is not None
+    monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: False)  # every pass takes the stack
+    calls = _drive(runner, monkeypatch, [20, 7, 33], decodes=3)
+    assert calls == [60, 3, 3, 3]
+
+
+@pytest.mark.parametrize("family", PYTHON)
+def test_other_families_keep_python_layers(tmp_path, family):
+    _, config = tiny_checkpoint(family, tmp_path)
+    assert _runner(tmp_path, config, "float32").layer_stack is None
+
+
+def test_lora_and_switch_keep_python_layers(tmp_path, monkeypatch):
+    _, config = tiny_checkpoint("llama-gqa", tmp_path)
+    assert _runner(tmp_path, config, "float32", allow_runtime_lora=True).layer_stack is None
+    monkeypatch.setattr(cpu_stack, "ENABLED", False)
+    assert _runner(tmp_path, config, "float32").layer_stack is None
+
+
+def test_sdpa_split_pass_runs_python_layers(tmp_path, monkeypatch):
+    """A pass with prefill chunks sent to SDPA (AMX CPUs, bf16) runs the Python layers; the decode
+    passes after it take the stack."""
+    if "bfloat16" not in _dtypes():
+        pytest.skip("bf16 linears are not packed on this CPU")
+    _, config = tiny_checkpoint("llama-gqa", tmp_path)
+    runner = _runner(tmp_path, config, "bfloat16")
+    monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: True)
+    assert _drive(runner, monkeypatch, [40, 5], decodes=2) == [2, 2]
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_smollm2_stack_equals_python_layers(smollm2_source, monkeypatch, dtype):
+    runner = _runner(smollm2_source.path, smollm2_source.config, dtype)
+    assert runner.layer_stack is not None
+    monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: False)
+    assert _drive(runner, monkeypatch, [24, 9], decodes=2) == [33, 2, 2]
