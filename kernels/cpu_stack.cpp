@@ -6,8 +6,9 @@
 // torch.ops.fuseserve_stack.decoder_layers. It calls the same operators as the Python layers, in the
 // same order, through the dispatcher: mkldnn::_linear_pointwise on the packed weights
 // (services/worker/prepacked_linear.py), fuseserve_fused::{rms_norm, add_rms_norm, rotary, silu_mul}
-// (cpu_fused.cpp), index_copy_ into the KV cache (kernels/reference.py's write_kv) and
-// fuseserve_cpu::paged_attention (cpu_attention.cpp); so its output equals the Python layers' bit for
+// (cpu_fused.cpp), index_copy_ into the KV cache (kernels/reference.py's write_kv),
+// fuseserve_cpu::paged_attention (cpu_attention.cpp) and, for the prefill chunks a pass sends to SDPA,
+// scaled_dot_product_attention as reference.prefill_attention calls it; so its output equals the Python layers' bit for
 // bit (tests/unit/test_layer_stack.py). Both libraries must be loaded first (cpu_stack.py does it).
 //
 // Per layer l, weights[10 l ..]: input norm, qkv (packed), qkv bias, o (packed), o bias, post-attention
@@ -18,6 +19,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,15 +58,60 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
   return {out, sum};
 }
 
+// One layer's attention over the cache, written into attn [T, H, D]: the whole pass through the paged
+// operator, or, with a split (cpu_attention.SdpaSplit, as its write_and_attend takes it), the short
+// rows through the operator and each long prefill chunk through SDPA over its gathered blocks.
+// split_ints: [0] or [1, rest (0 none, 1 the pass's first tokens, 2 gathered), chunks, then per chunk
+// start, end, context_len, has_mask]; split_tensors: rest's block_tables, cu_seqlens_q, seq_lens,
+// token_idx (when rest), then per chunk its blocks and its mask (when it has one).
+void attend(const at::Tensor& attn, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+            at::IntArrayRef split_ints, at::TensorList split_tensors, int64_t window, double scale) {
+  static const c10::OperatorHandle paged = op("fuseserve_cpu::paged_attention");
+  auto operator_rows = [&](const at::Tensor& out, const at::Tensor& rows, const at::Tensor& tables,
+                           const at::Tensor& cu, const at::Tensor& lens) {
+    torch::jit::Stack st{out, rows, k_cache, v_cache, tables, cu, lens, scale, window, 0.0};
+    paged.callBoxed(st);
+  };
+  if (split_ints[0] == 0) return operator_rows(attn, q, block_tables, cu_seqlens_q, seq_lens);
+  const int64_t rest = split_ints[1], chunks = split_ints[2];
+  int64_t t = 0;
+  if (rest != 0) {
+    const at::Tensor& idx = split_tensors[3];
+    const at::Tensor rows = rest == 1 ? q.narrow(0, 0, idx.size(0)) : q.index_select(0, idx);
+    at::Tensor part = at::empty(rows.sizes(), rows.options());
+    operator_rows(part, rows, split_tensors[0], split_tensors[1], split_tensors[2]);
+    if (rest == 1) attn.narrow(0, 0, idx.size(0)).copy_(part);
+    else attn.index_copy_(0, idx, part);
+    t = 4;
+  }
+  const int64_t block_size = k_cache.size(1), kvh = k_cache.size(2), d = k_cache.size(3);
+  const bool gqa = q.size(1) != kvh;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t* b = split_ints.data() + 3 + 4 * c;  // start, end, context_len, has_mask
+    const at::Tensor& blocks = split_tensors[t++];
+    std::optional<at::Tensor> mask;
+    if (b[3] != 0) mask = split_tensors[t++];
+    auto gather = [&](const at::Tensor& cache) {
+      const at::Tensor g = cache.index_select(0, blocks.reshape(-1)).view({blocks.size(0) * block_size, kvh, d});
+      return g.narrow(0, 0, b[2]).transpose(0, 1).unsqueeze(0);
+    };
+    const at::Tensor qp = q.narrow(0, b[0], b[1] - b[0]).transpose(0, 1).unsqueeze(0);
+    const at::Tensor o = at::scaled_dot_product_attention(qp, gather(k_cache), gather(v_cache), mask, 0.0,
+                                                          !mask.has_value(), scale, gqa);
+    attn.narrow(0, b[0], b[1] - b[0]).copy_(o[0].transpose(0, 1));
+  }
+}
+
 // x [T, hidden] (the embeddings) -> the last layer's output [T, hidden] (before the final norm).
 at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
                           const at::Tensor& sin, at::TensorList weights, at::TensorList k_caches,
                           at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, at::IntArrayRef windows,
+                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, at::IntArrayRef split_ints,
+                          at::TensorList split_tensors, at::IntArrayRef windows,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
   static const c10::OperatorHandle rotary = op("fuseserve_fused::rotary");
   static const c10::OperatorHandle silu_mul = op("fuseserve_fused::silu_mul");
-  static const c10::OperatorHandle attend = op("fuseserve_cpu::paged_attention");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == PER_LAYER * layers && v_caches.size() == k_caches.size() &&
                   static_cast<int64_t>(windows.size()) == layers,
@@ -83,10 +130,9 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     rotary.callBoxed(rot);
     k_caches[l].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
     v_caches[l].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
-    at::Tensor attn = at::empty({T, num_heads, head_dim}, q.options());
-    torch::jit::Stack att{attn, q, k_caches[l], v_caches[l], block_tables, cu_seqlens_q, seq_lens, scale, windows[l],
-                          0.0};
-    attend.callBoxed(att);
+    const at::Tensor attn = at::empty({T, num_heads, head_dim}, q.options());
+    attend(attn, q, k_caches[l], v_caches[l], block_tables, cu_seqlens_q, seq_lens, split_ints, split_tensors,
+           windows[l], scale);
     const at::Tensor o = linear(attn.view({T, q_size}), w[3], w[4]);
     // MLP: residual add + norm, gate_up projection, silu(gate) * up, down projection, residual add
     auto [normed, h] = add_rms_norm(o, x, w[5], eps);
@@ -104,7 +150,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
 TORCH_LIBRARY(fuseserve_stack, m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "
-        "int[] windows, int num_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+        "int[] split_ints, Tensor[] split_tensors, int[] windows, int num_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
 }
 
 // CatchAll: the packed weights are oneDNN (MkldnnCPU) tensors, the rest plain CPU ones.

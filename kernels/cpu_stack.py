@@ -66,8 +66,10 @@ def decoder_layers(
     ``positions [T]`` int64; ``cos`` / ``sin`` the rotary tables ``[max_positions, R]``; ``weights``
     ``WEIGHTS_PER_LAYER`` per layer (packed linears, an empty tensor for a missing bias); one K and one
     V cache ``[num_blocks, block_size, KVH, D]`` per layer, written at ``metadata.slot_mapping``;
-    ``windows`` each layer's sliding window (0: none). Raises ``RuntimeError`` on inconsistent sizes.
+    ``windows`` each layer's sliding window (0: none). A ``metadata.split`` pass (long prefill chunks
+    to SDPA) needs one window for every layer. Raises ``RuntimeError`` on inconsistent sizes.
     """
+    split_ints, split_tensors = _split_args(metadata.split, windows[0] or None)
     return load().decoder_layers(
         x,
         positions,
@@ -80,6 +82,8 @@ def decoder_layers(
         metadata.block_tables,
         metadata.cu_seqlens_q,
         metadata.seq_lens,
+        split_ints,
+        split_tensors,
         windows,
         num_heads,
         num_kv_heads,
@@ -87,3 +91,17 @@ def decoder_layers(
         eps,
         scale,
     )
+
+
+def _split_args(split, window: int | None) -> tuple[list[int], list[torch.Tensor]]:
+    """``cpu_attention.SdpaSplit`` as the operator's ``split_ints`` / ``split_tensors`` (``cpu_stack.cpp``,
+    ``attend``): ``[0]`` and none without a split."""
+    if split is None:
+        return [0], []
+    rest = split.rest
+    ints = [1, 0 if rest is None else 1 if split.prefix else 2, len(split.prefills)]
+    tensors = [] if rest is None else [rest.block_tables, rest.cu_seqlens_q, rest.seq_lens, split.token_idx]
+    for chunk, mask in zip(split.prefills, split.masks(window), strict=True):
+        ints += [chunk.start, chunk.end, chunk.context_len, int(mask is not None)]
+        tensors += [chunk.blocks] if mask is None else [chunk.blocks, mask]
+    return ints, tensors

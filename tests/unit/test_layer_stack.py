@@ -1,6 +1,7 @@
 """The decoder layers as one C++ call (services/worker/layer_stack.py, kernels/cpu_stack.cpp): every
 pass that takes it gives the Python layers' hidden states bit for bit, on each LLaMA-shaped family's
-tiny checkpoint and on SmolLM2 in fp32 and bf16; other families and SDPA-split passes keep Python."""
+tiny checkpoint and on SmolLM2 in fp32 and bf16, SDPA-split passes included; other families keep
+Python."""
 
 from __future__ import annotations
 
@@ -91,15 +92,17 @@ def test_lora_and_switch_keep_python_layers(tmp_path, monkeypatch):
     assert _runner(tmp_path, config, "float32").layer_stack is None
 
 
-def test_sdpa_split_pass_runs_python_layers(tmp_path, monkeypatch):
-    """A pass with prefill chunks sent to SDPA (AMX CPUs, bf16) runs the Python layers; the decode
-    passes after it take the stack."""
+@pytest.mark.parametrize("family", ["llama-gqa", "mistral-sw16"])
+@pytest.mark.parametrize("prompts", [[5, 40, 3], [40, 5], [33, 40]])
+def test_sdpa_split_passes_take_the_stack(tmp_path, monkeypatch, family, prompts):
+    """Passes whose long prefill chunks go to SDPA (AMX CPUs, bf16; forced here): the operator's rows
+    first (a slice), gathered, or none; a sliding window gives the chunks masks."""
     if "bfloat16" not in _dtypes():
         pytest.skip("bf16 linears are not packed on this CPU")
-    _, config = tiny_checkpoint("llama-gqa", tmp_path)
+    _, config = tiny_checkpoint(family, tmp_path)
     runner = _runner(tmp_path, config, "bfloat16")
     monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: True)
-    assert _drive(runner, monkeypatch, [40, 5], decodes=2) == [2, 2]
+    assert _drive(runner, monkeypatch, prompts, decodes=2) == [sum(prompts), len(prompts), len(prompts)]
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
