@@ -85,12 +85,15 @@ def choose_token_budget(runner, model_key: str, cache_dir: Path | None = None) -
 
 def profile_curve(runner, model_key: str, cache_dir: Path | None = None) -> dict[int, float]:
     """The start-up profile ``{tokens: seconds}`` (``measure_curve``), measured once per model +
-    device + dtype (+ KV cache dtype when it differs) + torch version + thread count and cached under
+    device + dtype (+ KV cache dtype when it differs, + whether the layers run as the C++ stack) +
+    torch version + thread count and cached under
     ``cache_dir``."""
     key = f"v{PROFILE_VERSION}|{model_key}|{runner.device}|{runner.dtype}|torch{torch.__version__}|threads{torch.get_num_threads()}"
     kv_dtype = getattr(runner, "kv_dtype", runner.dtype)
     if kv_dtype != runner.dtype:  # an fp8 KV cache: attention reads other bytes (own curve)
         key += f"|kv{kv_dtype}"
+    if getattr(runner, "layer_stack", None) is not None:  # layers in one C++ call: small passes cheaper
+        key += "|stack"
     cache_dir = Path(cache_dir or os.environ.get("FUSESERVE_CACHE", Path.home() / ".cache" / "fuseserve"))
     path = cache_dir / "token_budget.json"
     table = json.loads(path.read_text()) if path.exists() else {}

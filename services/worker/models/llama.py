@@ -20,7 +20,11 @@ from fuseserve.worker.parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
-    """``h = x + attn(norm(x))``; ``out = h + mlp(norm(h))``."""
+    """``h = x + attn(norm(x))``; ``out = h + mlp(norm(h))``.
+
+    On CPU ``kernels/cpu_stack.cpp`` replays this forward's operator sequence (with ``Attention``'s,
+    ``GatedMLP``'s and ``RMSNorm``'s CPU paths) for all layers in one call (``layer_stack.py``): a change
+    here must be made there too; ``tests/unit/test_layer_stack.py`` fails on any difference."""
 
     def __init__(self, args: ModelArgs, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
