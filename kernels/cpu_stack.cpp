@@ -8,8 +8,9 @@
 // (services/worker/prepacked_linear.py), fuseserve_fused::{rms_norm, add_rms_norm, rotary, silu_mul}
 // (cpu_fused.cpp), index_copy_ into the KV cache (kernels/reference.py's write_kv),
 // fuseserve_cpu::paged_attention (cpu_attention.cpp) and, for the prefill chunks a pass sends to SDPA,
-// scaled_dot_product_attention as reference.prefill_attention calls it; so its output equals the Python layers' bit for
-// bit (tests/unit/test_layer_stack.py). Both libraries must be loaded first (cpu_stack.py does it).
+// scaled_dot_product_attention as reference.prefill_attention calls it; so its output equals the
+// Python layers' bit for bit (tests/unit/test_layer_stack.py). Both libraries must be loaded first
+// (cpu_stack.py does it).
 //
 // Per layer l, weights[10 l ..]: input norm, qkv (packed), qkv bias, o (packed), o bias, post-attention
 // norm, gate_up (packed), gate_up bias, down (packed), down bias; a bias with no elements means none.
@@ -150,7 +151,8 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
 TORCH_LIBRARY(fuseserve_stack, m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "
-        "int[] split_ints, Tensor[] split_tensors, int[] windows, int num_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+        "int[] split_ints, Tensor[] split_tensors, int[] windows, int num_heads, int num_kv_heads, int head_dim, "
+        "float eps, float scale) -> Tensor");
 }
 
 // CatchAll: the packed weights are oneDNN (MkldnnCPU) tensors, the rest plain CPU ones.

@@ -26,8 +26,6 @@ SOURCE = Path(__file__).with_name("cpu_stack.cpp")
 ENABLED = os.environ.get("FUSESERVE_LAYER_STACK", "1") != "0"
 """``FUSESERVE_LAYER_STACK=0`` keeps every pass in the Python layers, as does setting this to False
 (``benchmarks.pass_profile``'s ``python`` variant)."""
-WEIGHTS_PER_LAYER = 10
-"""input norm, qkv, qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias, down, down bias."""
 
 
 @functools.cache
@@ -64,7 +62,8 @@ def decoder_layers(
     """The layers over ``x [T, hidden]`` (the embeddings) → the last layer's output ``[T, hidden]``.
 
     ``positions [T]`` int64; ``cos`` / ``sin`` the rotary tables ``[max_positions, R]``; ``weights``
-    ``WEIGHTS_PER_LAYER`` per layer (packed linears, an empty tensor for a missing bias); one K and one
+    ten per layer: input norm, qkv, qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias,
+    down, down bias (linears packed, an empty tensor for a missing bias); one K and one
     V cache ``[num_blocks, block_size, KVH, D]`` per layer, written at ``metadata.slot_mapping``;
     ``windows`` each layer's sliding window (0: none). A ``metadata.split`` pass (long prefill chunks
     to SDPA) needs one window for every layer. Raises ``RuntimeError`` on inconsistent sizes.

@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-from fuseserve.kernels import cpu_attention, cpu_fused, cpu_stack
+from fuseserve.kernels import cpu_fused, cpu_stack
 from fuseserve.worker import parallel
 from fuseserve.worker.attention import CpuAttentionBackend
 from fuseserve.worker.models.layers import Attention, GatedMLP, RMSNorm
@@ -105,16 +105,14 @@ class LayerStack:
         return cls(model, kv_cache)
 
     def accepts(self, batch, metadata) -> bool:
-        """Whether this pass can take the stack: no LoRA tokens, no SDPA split unless every layer has
-        the same window, int64 positions, the operators switched on (``cpu_stack.ENABLED``,
-        ``cpu_fused.ENABLED``: benchmarks toggle them)."""
+        """Whether this pass (``metadata``: the CPU backend's, as ``build`` required) can take the stack:
+        no LoRA tokens, no SDPA split unless every layer has the same window, the operators switched
+        on (``cpu_stack.ENABLED``, ``cpu_fused.ENABLED``: benchmarks toggle them)."""
         return (
             cpu_stack.ENABLED
             and cpu_fused.ENABLED
             and batch.lora is None
-            and isinstance(metadata, cpu_attention.CpuAttentionMetadata)
             and (metadata.split is None or self.one_window)
-            and batch.positions.dtype == torch.int64
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:

@@ -86,8 +86,7 @@ def choose_token_budget(runner, model_key: str, cache_dir: Path | None = None) -
 def profile_curve(runner, model_key: str, cache_dir: Path | None = None) -> dict[int, float]:
     """The start-up profile ``{tokens: seconds}`` (``measure_curve``), measured once per model +
     device + dtype (+ KV cache dtype when it differs, + whether the layers run as the C++ stack) +
-    torch version + thread count and cached under
-    ``cache_dir``."""
+    torch version + thread count and cached under ``cache_dir``."""
     key = f"v{PROFILE_VERSION}|{model_key}|{runner.device}|{runner.dtype}|torch{torch.__version__}|threads{torch.get_num_threads()}"
     kv_dtype = getattr(runner, "kv_dtype", runner.dtype)
     if kv_dtype != runner.dtype:  # an fp8 KV cache: attention reads other bytes (own curve)
