@@ -16,6 +16,8 @@
 // norm, gate_up (packed), gate_up bias, down (packed), down bias; a bias with no elements means none.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -32,13 +34,51 @@ c10::OperatorHandle op(const char* name) { return c10::Dispatcher::singleton().f
 
 c10::IValue optional_bias(const at::Tensor& b) { return b.numel() > 0 ? c10::IValue(b) : c10::IValue(); }
 
-// x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+// x [T, in] times a packed weight (+ bias) -> [T, out]: one oneDNN call with its own threading.
+at::Tensor linear_call(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   static const c10::OperatorHandle h = op("mkldnn::_linear_pointwise");
   torch::jit::Stack st{x, w, optional_bias(b), std::string("none"), c10::List<std::optional<c10::Scalar>>(),
                        std::string("")};
   h.callBoxed(st);
   return st[0].toTensor();
+}
+
+constexpr int64_t ROW_SPLIT_MIN = 192;
+// bf16 linears of passes with at least ROW_SPLIT_MIN rows per thread run as one row chunk per thread,
+// each a single-threaded oneDNN call. Measured on an AMX CPU with two threads (SmolLM2, benchmarks/
+// README.md): oneDNN's own split of a 512-row bf16 product with 576 outputs (o, down) ran no faster on
+// two threads than on one; row chunks made a 512-token pass 125 -> 109 ms and a 384-token one 95 -> 86
+// ms, while at 128 rows per thread they cost 5-10% and fp32 gained nothing.
+
+// How many row chunks a T-row pass's linears run as (1: one oneDNN call that splits the work itself).
+int64_t row_chunks(const at::Tensor& x) {
+  const int64_t n = at::get_num_threads();
+  return (n > 1 && x.scalar_type() == at::kBFloat16 && x.size(0) >= ROW_SPLIT_MIN * n && !at::in_parallel_region())
+             ? n
+             : 1;
+}
+
+// Rows [first, end) of chunk c of n over T rows.
+std::pair<int64_t, int64_t> chunk_rows(int64_t T, int64_t c, int64_t n) { return {T * c / n, T * (c + 1) / n}; }
+
+// x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const int64_t T = x.size(0), n = row_chunks(x);
+  if (n == 1) return linear_call(x, w, b);
+  at::Tensor out = at::empty({T, w.size(0)}, x.options());
+  const at::ThreadLocalState tls;  // the caller's inference mode for the pool's threads
+  at::parallel_for(0, n, 1, [&](int64_t c0, int64_t c1) {
+    const at::ThreadLocalStateGuard guard(tls);
+    for (int64_t c = c0; c < c1; ++c) {
+      const auto [r0, r1] = chunk_rows(T, c, n);
+      out.narrow(0, r0, r1 - r0).copy_(linear_call(x.narrow(0, r0, r1 - r0), w, b));
+    }
+  });
+  return out;
+}
+
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  return linear(x.contiguous(), w, b.has_value() ? *b : at::Tensor(at::empty({0}, x.options())));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -134,14 +174,36 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     const at::Tensor attn = at::empty({T, num_heads, head_dim}, q.options());
     attend(attn, q, k_caches[l], v_caches[l], block_tables, cu_seqlens_q, seq_lens, split_ints, split_tensors,
            windows[l], scale);
-    const at::Tensor o = linear(attn.view({T, q_size}), w[3], w[4]);
-    // MLP: residual add + norm, gate_up projection, silu(gate) * up, down projection, residual add
-    auto [normed, h] = add_rms_norm(o, x, w[5], eps);
-    const at::Tensor gate_up = linear(normed, w[6], w[7]);
-    at::Tensor act = at::empty({T, gate_up.size(1) / 2}, gate_up.options());
-    torch::jit::Stack sm{act, gate_up};
-    silu_mul.callBoxed(sm);
-    x = h + linear(act, w[8], w[9]);
+    // o projection; MLP: residual add + norm, gate_up projection, silu(gate) * up, down projection,
+    // residual add. Every step is row-wise, so with row chunks each thread runs them all on its rows.
+    const at::Tensor attn2 = attn.view({T, q_size});
+    auto tail = [&](const at::Tensor& a, const at::Tensor& res) {
+      const at::Tensor o = linear_call(a, w[3], w[4]);
+      auto [normed, h] = add_rms_norm(o, res, w[5], eps);
+      const at::Tensor gate_up = linear_call(normed, w[6], w[7]);
+      at::Tensor act = at::empty({a.size(0), gate_up.size(1) / 2}, gate_up.options());
+      torch::jit::Stack sm{act, gate_up};
+      silu_mul.callBoxed(sm);
+      return std::make_pair(h, linear_call(act, w[8], w[9]));
+    };
+    const int64_t n = row_chunks(x);
+    if (n == 1) {
+      auto [h, down] = tail(attn2, x);
+      x = h + down;
+    } else {
+      at::Tensor next = at::empty_like(x);
+      const at::ThreadLocalState tls;
+      at::parallel_for(0, n, 1, [&](int64_t c0, int64_t c1) {
+        const at::ThreadLocalStateGuard guard(tls);
+        for (int64_t c = c0; c < c1; ++c) {
+          const auto [r0, r1] = chunk_rows(T, c, n);
+          auto [h, down] = tail(attn2.narrow(0, r0, r1 - r0), x.narrow(0, r0, r1 - r0));
+          at::Tensor rows = next.narrow(0, r0, r1 - r0);
+          at::add_out(rows, h, down);
+        }
+      });
+      x = next;
+    }
   }
   return x;
 }
@@ -149,6 +211,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
 }  // namespace
 
 TORCH_LIBRARY(fuseserve_stack, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "
         "int[] split_ints, Tensor[] split_tensors, int[] windows, int num_heads, int num_kv_heads, int head_dim, "
@@ -156,4 +219,7 @@ TORCH_LIBRARY(fuseserve_stack, m) {
 }
 
 // CatchAll: the packed weights are oneDNN (MkldnnCPU) tensors, the rest plain CPU ones.
-TORCH_LIBRARY_IMPL(fuseserve_stack, CatchAll, m) { m.impl("decoder_layers", decoder_layers); }
+TORCH_LIBRARY_IMPL(fuseserve_stack, CatchAll, m) {
+  m.impl("decoder_layers", decoder_layers);
+  m.impl("linear", linear_op);
+}

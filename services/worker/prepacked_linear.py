@@ -14,10 +14,14 @@ faster than ``F.linear``, bit-identical output; elsewhere bf16 stays on ``F.line
 shares that tensor (a tied LM head keeps the embedding's). Output equals ``F.linear`` up to float32
 rounding (a different summation order). Under ``torch.compile`` the packed call is the opaque
 operator ``fuseserve::packed_linear`` (inductor's own lowering of the oneDNN call rejects float32).
+A bf16 pass of at least 192 rows per thread runs as one single-threaded oneDNN call per thread on its
+own rows (``kernels/cpu_stack.cpp``'s ``linear``): oneDNN's own two-thread split of such a product
+with few outputs ran no faster than one thread on an AMX CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 import weakref
@@ -46,9 +50,21 @@ weight (a oneDNN-layout tensor the compiler cannot trace) never enters the graph
 
 
 def _matmul(module: nn.Linear, x2d: torch.Tensor) -> torch.Tensor:
+    if x2d.dtype == torch.bfloat16 and (stack := _row_split_ops()) is not None:
+        return stack.linear(x2d, module.packed_weight, module.bias)  # the decoder-layer stack's rule
     return torch.ops.mkldnn._linear_pointwise(
         x2d.contiguous(), module.packed_weight, module.bias, "none", [], ""
     )
+
+
+@functools.cache
+def _row_split_ops():
+    """``torch.ops.fuseserve_stack`` where it builds here, else None: its ``linear`` runs a long bf16
+    pass as one row chunk per thread (``kernels/cpu_stack.cpp``), the same calls the C++ layer stack
+    makes, so the Python layers and the stack stay bit-identical."""
+    from fuseserve.kernels import cpu_stack
+
+    return cpu_stack.load() if cpu_stack.available() else None
 
 
 @torch.library.custom_op("fuseserve::packed_linear", mutates_args=())

@@ -25,7 +25,7 @@ KNEE_FRACTION = 0.95
 """0.9 chose 64 tokens for SmolLM2 fp32 here (prefill-only curve 529/631/696/657/677 tok/s at
 32..512): served, 16 clients, that gave 340 tok/s against 392 at 128, the size 0.95 chooses (the
 curve is measured without decodes; a pass also carries the decodes that ride on its weight reads)."""
-PROFILE_VERSION = 4  # bump when the forward path changes enough to move the curve (invalidates caches)
+PROFILE_VERSION = 5  # bump when the forward path changes enough to move the curve (invalidates caches)
 _PROFILE_SEQ_ID = -1  # never handed out to requests (sequence ids are >= 0)
 
 

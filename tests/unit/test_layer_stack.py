@@ -111,3 +111,19 @@ def test_smollm2_stack_equals_python_layers(smollm2_source, monkeypatch, dtype):
     assert runner.layer_stack is not None
     monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: False)
     assert _drive(runner, monkeypatch, [24, 9], decodes=2) == [33, 2, 2]
+
+
+def test_long_bf16_passes_split_rows_in_both_paths(smollm2_source, monkeypatch):
+    """A bf16 pass of at least 192 rows per thread runs its linears as one row chunk per thread
+    (cpu_stack.cpp's ``linear``), in the stack and in the Python layers alike: on SmolLM2's shapes a
+    512-row product's bits differ between oneDNN's own two-thread split and the row chunks."""
+    if "bfloat16" not in _dtypes():
+        pytest.skip("bf16 linears are not packed on this CPU")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = _runner(smollm2_source.path, smollm2_source.config, "bfloat16")
+        monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: False)
+        assert _drive(runner, monkeypatch, [300, 212], decodes=1) == [512, 2]
+    finally:
+        torch.set_num_threads(threads)
