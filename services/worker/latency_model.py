@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from fuseserve.pass_shape import PassShape
 from fuseserve.types import StepPlan
 
-PROFILE_SIZES = (32, 64, 128, 256, 512)
-"""Pass sizes (tokens, one prompt each) of a worker's start-up profile (``fuseserve.worker.profiler``)."""
+PROFILE_SIZES = (32, 64, 128, 256, 512, 1024)
+"""Pass sizes (tokens, prompts of at most 128 tokens each) of a worker's start-up profile
+(``fuseserve.worker.profiler``)."""
 
 LLAMA2_7B_PARAMS = 6.74e9  # matmul parameters of Llama-2 7B (embeddings included in the LM head)
 LLAMA2_7B_LAYERS = 32
