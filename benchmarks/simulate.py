@@ -14,7 +14,7 @@ results) and its presets live in ``fuseserve.worker.latency_model``, which simul
 
 With ``--target-itl`` / ``--target-prefill-rate`` SplitFuse also runs with each pass sized from the
 targets (``fuseserve.scheduler.slo_budget``), printed beside the knee-budget run of the same command.
-Its latency prior is what a real worker's start-up profile gives (single-prompt passes of
+Its latency prior is what a real worker's start-up profile gives (prompt-only passes of
 ``PROFILE_SIZES`` tokens, here from the preset); the effect of context and sequence count is learned
 online from the simulated passes, as on a real worker.
 

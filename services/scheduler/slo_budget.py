@@ -59,7 +59,7 @@ _SCALES = np.array([1.0, 1.0, 1e3, 1e2, 1e5, 1e7])
 
 
 def curve_prior(curve: dict[int, float]) -> Callable[[PassShape], float]:
-    """A latency prior from a start-up profile ``{tokens: seconds}`` of single-prompt passes.
+    """A latency prior from a start-up profile ``{tokens: seconds}`` of prompt-only passes.
 
     Linear between profiled sizes, flat below the smallest, extended with the last slope above the
     largest; context and sequence count are left to the online correction. Raises ``ValueError`` on
