@@ -36,15 +36,20 @@ def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, fl
     the cache: fresh prompts of at most ``PROFILE_PROMPT_TOKENS`` tokens each, so every size does the
     same attention work per token and the curve shows what the pass size itself changes (one
     ``n``-token prompt adds attention quadratic in ``n``, which a long prompt pays at any budget once
-    chunked: SmolLM2 bf16 here, 1024 tokens ran at 5232 tok/s as one prompt, 6713 as eight)."""
+    chunked: SmolLM2 bf16 here, 1024 tokens ran at 5232 tok/s as one prompt, 6713 as eight).
+    Raises ``ValueError`` when the cache cannot hold the smallest size."""
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
     capacity = runner.info.num_blocks * runner.block_size
-    sizes = [n for n in sizes if -(-n // PROFILE_PROMPT_TOKENS) * PROFILE_PROMPT_TOKENS <= capacity]
+    fits = [
+        n for n in sizes if sum(-(-m // runner.block_size) for m in _prompt_lens(n)) <= runner.info.num_blocks
+    ]
+    if not fits:
+        raise ValueError(f"the KV cache holds {capacity} tokens, too few to profile a {sizes[0]}-token pass")
+    sizes = fits
     curve = {}
     for n in (sizes[0], *sizes):  # the first run warms up
-        lens = [min(PROFILE_PROMPT_TOKENS, n - i) for i in range(0, n, PROFILE_PROMPT_TOKENS)]
-        prompts = [torch.randint(0, runner.vocab_size, (m,), generator=g).tolist() for m in lens]
+        prompts = [torch.randint(0, runner.vocab_size, (m,), generator=g).tolist() for m in _prompt_lens(n)]
         best = float("inf")
         for _ in range(repeats):
             chunks, first = [], 0
@@ -73,6 +78,11 @@ def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, fl
             runner.free([c.seq_id for c in chunks])
         curve[n] = best
     return curve
+
+
+def _prompt_lens(n: int) -> list[int]:
+    """The prompt lengths of a profiled ``n``-token pass."""
+    return [min(PROFILE_PROMPT_TOKENS, n - i) for i in range(0, n, PROFILE_PROMPT_TOKENS)]
 
 
 def knee(curve: dict[int, float], fraction: float = KNEE_FRACTION) -> int:

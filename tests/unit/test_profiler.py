@@ -39,3 +39,16 @@ def test_measure_curve_runs_real_passes_and_frees_its_blocks(tmp_path):
     curve = profiler.measure_curve(runner, sizes=(8, 32), repeats=1)
     assert set(curve) == {8, 32} and all(s > 0 for s in curve.values())
     assert runner.num_free_blocks == runner.info.num_blocks and not runner.seqs
+
+
+def test_measure_curve_keeps_the_sizes_the_cache_holds(tmp_path):
+    import pytest
+    from tiny_runner import tiny_llama_runner
+
+    runner = tiny_llama_runner(tmp_path, kv_cache_memory="1MiB")
+    capacity = runner.info.num_blocks * runner.block_size
+    too_big = 2 * capacity
+    curve = profiler.measure_curve(runner, sizes=(8, too_big), repeats=1)
+    assert set(curve) == {8}
+    with pytest.raises(ValueError, match="too few"):
+        profiler.measure_curve(runner, sizes=(too_big,), repeats=1)
