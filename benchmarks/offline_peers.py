@@ -3,7 +3,8 @@
 The same 48 requests (prompts ~ Normal(200, 0.3 x 200) tokens sliced from the repository's text,
 32 generated tokens each, greedy, EOS ignored) go to both systems at once as one batch:
 ``fuseserve.pipeline(...)(prompts)`` and ``model.generate_batch(prompts)`` (paged SDPA,
-``max_batch_tokens`` = fuseserve's token budget). Each system x dtype runs in its own subprocess
+``max_batch_tokens`` = ``--token-budget``, 256 when it is 0, the default, which leaves fuseserve its
+own budget: the knee of its start-up profile). Each system x dtype runs in its own subprocess
 (fresh memory, a wall-clock limit: transformers in bf16 has been seen to take over 10 minutes here),
 one after the other in this one run. The matmul (GEMM) peak of each dtype is measured in this run too
 (best of six 0.5-s samples of a 1024^3 matmul, before and after the systems), and MFU is
