@@ -58,21 +58,24 @@ int64_t row_chunks(const at::Tensor& x) {
              : 1;
 }
 
-// Rows [first, end) of chunk c of n over T rows.
-std::pair<int64_t, int64_t> chunk_rows(int64_t T, int64_t c, int64_t n) { return {T * c / n, T * (c + 1) / n}; }
+// f(first, count) for each of n row chunks of T rows, one per thread, under the caller's thread-local
+// state (its inference mode) on the pool's threads.
+template <typename F>
+void for_each_row_chunk(int64_t T, int64_t n, const F& f) {
+  const at::ThreadLocalState tls;
+  at::parallel_for(0, n, 1, [&](int64_t c0, int64_t c1) {
+    const at::ThreadLocalStateGuard guard(tls);
+    for (int64_t c = c0; c < c1; ++c) f(T * c / n, T * (c + 1) / n - T * c / n);
+  });
+}
 
 // x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   const int64_t T = x.size(0), n = row_chunks(x);
   if (n == 1) return linear_call(x, w, b);
   at::Tensor out = at::empty({T, w.size(0)}, x.options());
-  const at::ThreadLocalState tls;  // the caller's inference mode for the pool's threads
-  at::parallel_for(0, n, 1, [&](int64_t c0, int64_t c1) {
-    const at::ThreadLocalStateGuard guard(tls);
-    for (int64_t c = c0; c < c1; ++c) {
-      const auto [r0, r1] = chunk_rows(T, c, n);
-      out.narrow(0, r0, r1 - r0).copy_(linear_call(x.narrow(0, r0, r1 - r0), w, b));
-    }
+  for_each_row_chunk(T, n, [&](int64_t r0, int64_t rows) {
+    out.narrow(0, r0, rows).copy_(linear_call(x.narrow(0, r0, rows), w, b));
   });
   return out;
 }
@@ -192,15 +195,10 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
       x = h + down;
     } else {
       at::Tensor next = at::empty_like(x);
-      const at::ThreadLocalState tls;
-      at::parallel_for(0, n, 1, [&](int64_t c0, int64_t c1) {
-        const at::ThreadLocalStateGuard guard(tls);
-        for (int64_t c = c0; c < c1; ++c) {
-          const auto [r0, r1] = chunk_rows(T, c, n);
-          auto [h, down] = tail(attn2.narrow(0, r0, r1 - r0), x.narrow(0, r0, r1 - r0));
-          at::Tensor rows = next.narrow(0, r0, r1 - r0);
-          at::add_out(rows, h, down);
-        }
+      for_each_row_chunk(T, n, [&](int64_t r0, int64_t rows) {
+        auto [h, down] = tail(attn2.narrow(0, r0, rows), x.narrow(0, r0, rows));
+        at::Tensor out = next.narrow(0, r0, rows);
+        at::add_out(out, h, down);
       });
       x = next;
     }
