@@ -78,15 +78,15 @@ def measure(model: str, dtype: str, num_seqs: int, context: int, passes: int) ->
 
     times: dict[str, list[float]] = {name: [] for name in backends}
     for b in backends.values():  # warm-up
-        runner.backend = b
+        runner.use_backend(b)
         decode()
     for _ in range(passes):
         for name, b in backends.items():
-            runner.backend = b
+            runner.use_backend(b)
             times[name].append(decode())
     result = {"dtype": str(runner.dtype).split(".")[-1], "num_seqs": num_seqs, "context": context}
     for name, b in backends.items():
-        runner.backend = b
+        runner.use_backend(b)
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(3):

@@ -233,7 +233,15 @@ def compare(ours, ours_logprobs, ref_tokens, ref_logits) -> dict:
     return res
 
 
-def open_pipeline(path: Path, *, block_size: int, token_budget: int, kv_memory: str, backend: str = "auto"):
+def open_pipeline(
+    path: Path,
+    *,
+    block_size: int,
+    token_budget: int,
+    kv_memory: str,
+    backend: str = "auto",
+    compile: bool = False,
+):
     import fuseserve
 
     return fuseserve.pipeline(
@@ -243,6 +251,7 @@ def open_pipeline(path: Path, *, block_size: int, token_budget: int, kv_memory: 
         block_size=block_size,
         dtype="bfloat16",
         attention_backend=backend,
+        compile=compile,
         progress=False,
     )
 
@@ -274,8 +283,8 @@ def step_model(out: Path, shape: str, root: Path, workload: bool = False) -> Non
         pipe = open_pipeline(path, block_size=block_size, token_budget=budget, kv_memory=kv_memory)
         try:
             for name in names:
-                pipe.runner.backend = get_backend(
-                    name, pipe.runner.device, block_size=block_size, dtype=torch.bfloat16
+                pipe.runner.use_backend(
+                    get_backend(name, pipe.runner.device, block_size=block_size, dtype=torch.bfloat16)
                 )
                 t0 = time.perf_counter()
                 resps = pipe(
@@ -294,12 +303,44 @@ def step_model(out: Path, shape: str, root: Path, workload: bool = False) -> Non
                        seconds_per_pass={n: s for n, s in curve.items()},
                        tokens_per_s={n: n / s for n, s in curve.items()})  # fmt: skip
             if workload and block_size == 16:
-                pipe.runner.backend = get_backend(
-                    "auto", pipe.runner.device, block_size=16, dtype=torch.bfloat16
+                pipe.runner.use_backend(
+                    get_backend("auto", pipe.runner.device, block_size=16, dtype=torch.bfloat16)
                 )
                 step_workload(out, shape, pipe)
         finally:
             pipe.close()
+
+
+def step_compiled(out: Path, shape: str, root: Path) -> None:
+    """The compiled forward (``torch.compile``, ``--compile``) on this device: compile seconds at start,
+    greedy parity with transformers, and pass times beside the eager ones of ``step_model`` (same shape,
+    block size 16, auto backend)."""
+    from fuseserve.worker.profiler import measure_curve
+
+    path, hf = build_checkpoint(shape, root)
+    new_tokens = 16 if shape != "tiny" else 6
+    prompts = prompts_for(shape, SHAPES[shape]["vocab_size"])
+    ref = hf_greedy(hf, prompts, new_tokens)
+    del hf
+    budget = 256 if shape != "tiny" else 32
+    kv_memory = "2GiB" if device().type == "cuda" else "64MiB"
+    pipe = open_pipeline(path, block_size=16, token_budget=budget, kv_memory=kv_memory, compile=True)
+    try:
+        runner = pipe.runner
+        log(f"{shape}: compiled={runner.compiled is not None} in {runner.compile_s:.1f} s")
+        t0 = time.perf_counter()
+        resps = pipe(
+            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, logprobs=0
+        )
+        wall = time.perf_counter() - t0
+        results = [compare(r.token_ids, r.logprobs, *ref[i]) for i, r in enumerate(resps)]
+        curve = measure_curve(runner, sizes=(1, budget), repeats=3)
+        record(out, step="compiled", shape=shape, backend=runner.backend.name, compiled=runner.compiled is not None,
+               compile_s=runner.compile_s, ok=runner.compiled is not None and all(r["ok"] for r in results),
+               seconds=wall, seconds_per_pass=curve, tokens_per_s={n: n / s for n, s in curve.items()},
+               per_prompt=results)  # fmt: skip
+    finally:
+        pipe.close()
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -512,10 +553,12 @@ def main(argv: list[str]) -> int:
         step_env(out)
     elif step == "model":
         step_model(out, argv[2], root, workload=len(argv) > 3 and argv[3] == "workload")
+    elif step == "compiled":
+        step_compiled(out, argv[2], root)
     elif step == "attention":
         step_attention(out, tiny=len(argv) > 2 and argv[2] == "tiny")
     else:
-        raise SystemExit(f"unknown step {step!r}: env, model, attention")
+        raise SystemExit(f"unknown step {step!r}: env, model, compiled, attention")
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one script, under 9 minutes on one H200, all results in one folder.
+# The prepared GPU check: one script, about 10 minutes on one H200 (two device calls), results in one folder.
 #
 #   benchmarks/gpu_check.sh                 on the GPU machine, from anywhere (it cds to the repository)
 #   benchmarks/gpu_check.sh --dry-run       on a CPU machine: tiny shapes, interpreted Triton (checks the script)
@@ -11,6 +11,9 @@
 #   results.jsonl    one JSON record per result (env, parity, forward_pass, attention, workload)
 #   <step>.log       each step's output; kernel_tests.xml (JUnit) when pytest is there
 #
+# GPU_CHECK_STEPS=env,kernels,... runs only the steps named (one device call runs at most 600 s: the
+# whole check is two calls, e.g. env,kernels,smollm2,compiled,attention then llama2-7b,int4-7b).
+#
 # Steps (each under its own time limit, so a slow one cannot eat the others' time):
 #   env          versions, GPU, which attention backends can run here
 #   kernels      tests/unit/test_triton_kernels.py + test_triton_quant_linear.py (W4A16 / W8A16 GEMM)
@@ -18,6 +21,7 @@
 #                + test_lora_kernels.py (the multi-LoRA SGMV shrink/expand pair),
 #                compiled on the GPU (not interpreted); needs pytest (carried as wheels if absent)
 #   smollm2      SmolLM2-shaped random model: bf16 greedy parity with transformers, pass times per backend
+#   compiled     the same model with the compiled forward (--compile): compile seconds, parity, pass times
 #   attention    attention-only time per pass and error vs the torch reference, both shapes, every backend
 #                (torch, Triton, flash-attn if installed, PyTorch FlexAttention as a peer)
 #   llama2-7b    Llama-2-7B-shaped random model: parity, pass times, then the paper's workload through
@@ -89,6 +93,7 @@ fi
 # run NAME LIMIT_S CMD...: one step under a time limit; its output in NAME.log, its status in summary.txt
 run() {
   local name=$1 limit=$2; shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ ",$GPU_CHECK_STEPS," != *",$name,"* ]]; then return; fi
   local t0=$SECONDS
   echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)" | tee -a "$OUT/summary.txt"
   timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -110,21 +115,23 @@ if [ "$MODE" = dry ]; then
   run kernels 240 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
     tests/unit/test_flash_attn_kernel.py tests/unit/test_fp8_kv_cache.py tests/unit/test_lora_kernels.py --junitxml="$OUT/kernel_tests.xml"
   run tiny 300 "${CHECK[@]}" model "$OUT" tiny workload
+  run compiled 300 "${CHECK[@]}" compiled "$OUT" tiny
   run attention 120 "${CHECK[@]}" attention "$OUT" tiny
   run int4 180 "$PY" -m benchmarks.gpu_check_quant "$OUT" tiny
 else
-  # time limits add up to 530 s
+  # time limits add up to 705 s: over one device call's 600 s, so a call runs a part (GPU_CHECK_STEPS)
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
   run env 20 "${CHECK[@]}" env "$OUT"
   if PYTHONPATH=$TEST_PATH "$PY" -c "import pytest" 2>/dev/null; then
-    run kernels 75 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
+    run kernels 120 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
       tests/unit/test_flash_attn_kernel.py tests/unit/test_reference_attention.py tests/unit/test_fp8_kv_cache.py \
       tests/unit/test_lora_kernels.py --junitxml="$OUT/kernel_tests.xml"
   else
     echo "== kernels: SKIPPED, pytest is not installed and benchmarks/wheels/ has no wheels (--fetch-wheels)" \
       | tee -a "$OUT/summary.txt"
   fi
-  run smollm2 50 "${CHECK[@]}" model "$OUT" smollm2
+  run smollm2 90 "${CHECK[@]}" model "$OUT" smollm2
+  run compiled 90 "${CHECK[@]}" compiled "$OUT" smollm2
   run attention 50 "${CHECK[@]}" attention "$OUT"
   run llama2-7b 95 "${CHECK[@]}" model "$OUT" llama2-7b workload
   run int4-7b 240 "$PY" -m benchmarks.gpu_check_quant "$OUT" llama2-7b

@@ -86,11 +86,7 @@ class ModelRunner:
         self.compile_s = 0.0  # seconds the warm-up compilation took (0 without compilation)
         if compiled_forward.wanted(self.config.compile) and parallel.world()[1] == 1:
             self._compile(progress)
-        self.layer_stack = (  # eager CPU passes: the decoder layers in one C++ call (layer_stack.py)
-            LayerStack.build(self.model, self.backend, self.kv_cache, self.kv_dtype, self.lora)
-            if self.compiled is None and self.device.type == "cpu"
-            else None
-        )
+        self.layer_stack = self._layer_stack()
         num_blocks = self.kv_cache.num_blocks
         self.seq_table = SeqTable(
             num_blocks, self.block_size, lambda params: SeqSamplingState.create(params, [], self.device)
@@ -200,6 +196,19 @@ class ModelRunner:
         if self.lora is None or not self.config.allow_runtime_lora:
             raise InvalidRequestError("runtime LoRA adapters need allow_runtime_lora", "allow_runtime_lora")
         return self.lora.set_runtime(paths)
+
+    def _layer_stack(self) -> LayerStack | None:
+        """Eager CPU passes: the decoder layers in one C++ call (layer_stack.py), where it applies."""
+        if self.compiled is not None or self.device.type != "cpu":
+            return None
+        return LayerStack.build(self.model, self.backend, self.kv_cache, self.kv_dtype, self.lora)
+
+    def use_backend(self, backend) -> None:
+        """Run the next passes with ``backend`` (an ``AttentionBackend`` for this device: benchmarks swap
+        them on one loaded model); the CPU layer stack is built again for it (None where it does not take
+        that backend's metadata)."""
+        self.backend = backend
+        self.layer_stack = self._layer_stack()
 
     # ----- lifecycle -----
     def close(self) -> None:
