@@ -74,6 +74,7 @@ if [ -n "${GPU_CHECK_VIEW:-}" ] || ! "$PY" -c "import fuseserve.worker.attention
   ln -s "$REPO/kernels" "$VIEW/fuseserve/kernels"
   ln -s "$REPO/proto" "$VIEW/fuseserve/proto"
   export PYTHONPATH="$VIEW:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONSAFEPATH=1  # `python -m` run here would put the checkout (its bare fuseserve/) before the view
   echo "fuseserve: package view at $VIEW" | tee -a "$OUT/summary.txt"
 else
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -112,7 +113,7 @@ if [ "$MODE" = dry ]; then
   export GPU_CHECK_ABSENT=fastapi,uvicorn,redis,gguf,accelerate,flash_attn
   export TRITON_INTERPRET=1  # Triton on CPU runs interpreted; torch imports triton before fuseserve does
   run env 60 "${CHECK[@]}" env "$OUT"
-  run kernels 240 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
+  run kernels 240 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider --import-mode=append tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
     tests/unit/test_flash_attn_kernel.py tests/unit/test_fp8_kv_cache.py tests/unit/test_lora_kernels.py --junitxml="$OUT/kernel_tests.xml"
   run tiny 300 "${CHECK[@]}" model "$OUT" tiny workload
   run compiled 300 "${CHECK[@]}" compiled "$OUT" tiny
@@ -123,7 +124,7 @@ else
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
   run env 20 "${CHECK[@]}" env "$OUT"
   if PYTHONPATH=$TEST_PATH "$PY" -c "import pytest" 2>/dev/null; then
-    run kernels 120 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
+    run kernels 120 env PYTHONPATH="$TEST_PATH" "$PY" -m pytest -q -rs -p no:cacheprovider --import-mode=append tests/unit/test_triton_kernels.py tests/unit/test_triton_quant_linear.py \
       tests/unit/test_flash_attn_kernel.py tests/unit/test_reference_attention.py tests/unit/test_fp8_kv_cache.py \
       tests/unit/test_lora_kernels.py --junitxml="$OUT/kernel_tests.xml"
   else
