@@ -67,7 +67,7 @@ echo "gpu_check mode=$MODE out=$OUT python=$PY" | tee "$OUT/summary.txt"
 if [ -n "${GPU_CHECK_VIEW:-}" ] || ! "$PY" -c "import fuseserve.worker.attention" 2>/dev/null; then
   VIEW=$(mktemp -d)
   mkdir "$VIEW/fuseserve"
-  for f in "$REPO"/fuseserve/*.py; do ln -s "$f" "$VIEW/fuseserve/"; done
+  for f in "$REPO"/fuseserve/*; do ln -s "$f" "$VIEW/fuseserve/"; done
   ln -s "$REPO/services/gateway" "$VIEW/fuseserve/gateway"
   ln -s "$REPO/services/scheduler" "$VIEW/fuseserve/scheduler"
   ln -s "$REPO/services/worker" "$VIEW/fuseserve/worker"
