@@ -10,7 +10,9 @@ serves it in bf16 (on CUDA the Triton W4A16 GEMM, ``kernels/triton_quant_linear.
 ``choose_kernel`` measures it fastest) and records to ``OUT/results.jsonl``:
 
 - ``int4_parity``: greedy tokens against ``transformers`` on the dequantized weights, under
-  ``gpu_check``'s near-tie rule (bf16), and the kernel each layer shape runs;
+  ``gpu_check``'s near-tie rule (bf16), and the kernel each layer shape runs; once with the chosen
+  attention backend and once with the torch reference attention (an H200 run had the 300- and
+  700-token prompts off at their first token with Triton attention: this tells which part);
 - ``int4_decode``: decode tokens/s at batch 1 and 16 (``benchmarks.quantized_decode.decode_rate``)
   of the INT4 checkpoint and of the bf16 float one, side by side, and their resident weight bytes.
 
@@ -52,6 +54,7 @@ def step_int4(out: Path, shape: str, root: Path) -> None:
     """Parity and decode speed of the INT4 checkpoint (see the module docstring)."""
     import fuseserve
     from benchmarks.quantized_decode import Prompts, decode_rate, layer_kernels
+    from fuseserve.worker.attention import get_backend
     from fuseserve.worker.quantization import weight_bytes
 
     path, qpath, hf = quantized_checkpoint(shape, root)
@@ -74,14 +77,17 @@ def step_int4(out: Path, shape: str, root: Path) -> None:
         gc.log(f"{label}: loaded in {time.perf_counter() - t0:.1f} s")
     try:
         pipe = pipes["int4"]
-        t0 = time.perf_counter()
-        resps = pipe(
-            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, logprobs=0
-        )
-        results = [gc.compare(r.token_ids, r.logprobs, *ref[i]) for i, r in enumerate(resps)]
-        kernels = layer_kernels(pipe)
-        gc.record(out, step="int4_parity", shape=shape, ok=all(r["ok"] for r in results),
-                  seconds=time.perf_counter() - t0, kernels=kernels, per_prompt=results)  # fmt: skip
+        for backend in ("auto", "torch"):  # the torch reference attention tells the GEMM apart from attention
+            pipe.runner.use_backend(get_backend(backend, pipe.runner.device, block_size=pipe.runner.block_size,
+                                                dtype=torch.bfloat16))  # fmt: skip
+            t0 = time.perf_counter()
+            resps = pipe(
+                prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, logprobs=0
+            )
+            results = [gc.compare(r.token_ids, r.logprobs, *ref[i]) for i, r in enumerate(resps)]
+            gc.record(out, step="int4_parity", shape=shape, attention=pipe.runner.backend.name,
+                      ok=all(r["ok"] for r in results), seconds=time.perf_counter() - t0,
+                      kernels=layer_kernels(pipe), per_prompt=results)  # fmt: skip
         rates: dict[str, dict[int, float]] = {label: {} for label in pipes}
         gen = Prompts(cfg["vocab_size"], 8)
         for batch in (1, 16):

@@ -37,6 +37,8 @@ def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, fl
     same attention work per token and the curve shows what the pass size itself changes (one
     ``n``-token prompt adds attention quadratic in ``n``, which a long prompt pays at any budget once
     chunked: SmolLM2 bf16 here, 1024 tokens ran at 5232 tok/s as one prompt, 6713 as eight).
+    Writes its scratch prompts over KV blocks ``0..``: run it before a scheduler hands out blocks (at
+    start), or on a pipeline without prefix caching, whose cached blocks it would otherwise overwrite.
     Raises ``ValueError`` when the cache cannot hold the smallest size."""
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
