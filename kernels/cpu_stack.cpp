@@ -69,8 +69,35 @@ void for_each_row_chunk(int64_t T, int64_t n, const F& f) {
   });
 }
 
-// x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+// The rows a bf16 pass of T tokens runs its linears at: T rounded up to a multiple of 16 (up to 256
+// rows), 32 (512), 64 (1024), 128 (beyond); passes of at most 16 rows, and fp32 ones, as they are.
+// oneDNN builds (JITs) a bf16 matmul for every new row count: measured on an AMX CPU (SmolLM2 shapes),
+// a new count cost 4-7 ms per projection at ~1000 rows against 0.3-3 ms warm, ~2 ms at 200 rows, and
+// a 1007-token pass 276 ms cold against 168 ms warm. A server sees a new count in nearly every prefill
+// pass, and the primitive cache (1024 entries) cannot hold every count of every projection; with
+// buckets the counts are few (LayerStack.warm_up builds them at start), for at most 1/8 more rows.
+int64_t padded_rows(int64_t T, at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 || T <= 16) return T;
+  const int64_t step = T <= 256 ? 16 : T <= 512 ? 32 : T <= 1024 ? 64 : 128;
+  return (T + step - 1) / step * step;
+}
+
+// x [T, ...] with zero rows appended up to `rows`.
+at::Tensor pad_rows(const at::Tensor& x, int64_t rows) {
+  if (rows == x.size(0)) return x;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[0] = rows;
+  at::Tensor out = at::zeros(shape, x.options());
+  out.narrow(0, 0, x.size(0)).copy_(x);
+  return out;
+}
+
+// x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it: at
+// padded_rows(T) rows (the surplus rows computed and dropped), in row chunks where row_chunks says.
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& b) {
+  const int64_t rows = x_in.size(0), padded = padded_rows(rows, x_in.scalar_type());
+  if (padded != rows) return linear(pad_rows(x_in, padded), w, b).narrow(0, 0, rows);
+  const at::Tensor& x = x_in;
   const int64_t T = x.size(0), n = row_chunks(x);
   if (n == 1) return linear_call(x, w, b);
   at::Tensor out = at::empty({T, w.size(0)}, x.options());
@@ -161,8 +188,12 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
                   static_cast<int64_t>(windows.size()) == layers,
               "decoder_layers: ", PER_LAYER, " weights, one K and one V cache and one window per layer");
   TORCH_CHECK(x_in.dim() == 2 && positions.scalar_type() == at::kLong, "x [T, hidden], positions int64 [T]");
-  const int64_t T = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  at::Tensor x = x_in;
+  // the whole pass at padded_rows(tokens) rows, so every linear sees a bucketed row count without a copy:
+  // the surplus rows start at zero, stay out of the KV write and attention, and are dropped at the end
+  const int64_t tokens = x_in.size(0), T = padded_rows(tokens, x_in.scalar_type());
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor x = pad_rows(x_in, T);
+  const at::Tensor pos = pad_rows(positions, T);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
     // attention: norm, stacked q/k/v projection, rotary in place, KV write, paged attention, o projection
@@ -170,13 +201,14 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    torch::jit::Stack rot{q, k, positions, cos, sin};
+    torch::jit::Stack rot{q, k, pos, cos, sin};
     rotary.callBoxed(rot);
-    k_caches[l].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
-    v_caches[l].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
+    k_caches[l].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k.narrow(0, 0, tokens));
+    v_caches[l].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v.narrow(0, 0, tokens));
     const at::Tensor attn = at::empty({T, num_heads, head_dim}, q.options());
-    attend(attn, q, k_caches[l], v_caches[l], block_tables, cu_seqlens_q, seq_lens, split_ints, split_tensors,
-           windows[l], scale);
+    if (T > tokens) attn.narrow(0, tokens, T - tokens).zero_();
+    attend(attn.narrow(0, 0, tokens), q.narrow(0, 0, tokens), k_caches[l], v_caches[l], block_tables, cu_seqlens_q,
+           seq_lens, split_ints, split_tensors, windows[l], scale);
     // o projection; MLP: residual add + norm, gate_up projection, silu(gate) * up, down projection,
     // residual add. Every step is row-wise, so with row chunks each thread runs them all on its rows.
     const at::Tensor attn2 = attn.view({T, q_size});
@@ -203,13 +235,14 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
       x = next;
     }
   }
-  return x;
+  return x.narrow(0, 0, tokens);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(fuseserve_stack, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.def("padded_rows(int rows, ScalarType dtype) -> int");
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "
         "int[] split_ints, Tensor[] split_tensors, int[] windows, int num_heads, int num_kv_heads, int head_dim, "
@@ -221,3 +254,5 @@ TORCH_LIBRARY_IMPL(fuseserve_stack, CatchAll, m) {
   m.impl("decoder_layers", decoder_layers);
   m.impl("linear", linear_op);
 }
+
+TORCH_LIBRARY_IMPL(fuseserve_stack, CompositeExplicitAutograd, m) { m.impl("padded_rows", padded_rows); }

@@ -25,6 +25,7 @@ from fuseserve.worker import compiled_forward, kv_migration, parallel, prepacked
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.compiled_forward import CompiledForward
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
+from fuseserve.worker.latency_model import PROFILE_SIZES
 from fuseserve.worker.layer_stack import LayerStack
 from fuseserve.worker.loader import load_model
 from fuseserve.worker.lora_manager import LoRAManager
@@ -70,7 +71,9 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
         quantization.keep_float_weights_bf16(self.model)  # a quantized model's bf16 embedding / LM head
         if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
-            prepacked_linear.prepack(self.model)  # fp32, bf16 where native; FUSESERVE_PREPACK=0 off
+            # fp32, bf16 where native (its matmuls built for every pass size); FUSESERVE_PREPACK=0 off
+            max_rows = self.config.token_budget or max(PROFILE_SIZES)
+            prepacked_linear.prepack(self.model, max_rows, self.config.max_num_seqs)
         self.lora = self._load_adapters()
         self.block_size = self.config.block_size
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)  # the cache's storage

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import types
 import weakref
 
@@ -95,9 +96,11 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
-def prepack(model: nn.Module) -> int:
+def prepack(model: nn.Module, max_rows: int = 0, max_seqs: int = 0) -> int:
     """Pack the weights of ``model``'s CPU ``nn.Linear`` modules (float32; bfloat16 where native);
-    returns how many were packed.
+    returns how many were packed. With ``max_rows`` (the most tokens a pass holds) and ``max_seqs``
+    (the most sequences, the LM head's rows), bf16 matmuls are then built for every row count a pass
+    can run at (``warm_up``).
 
     Call once, after the weights are loaded; only a single-rank model (each module's ``forward`` of a
     tensor-parallel layer reduces across ranks, which the packed path does not).
@@ -127,7 +130,46 @@ def prepack(model: nn.Module) -> int:
             module.weight = None  # the packed copy replaces it (the memory stays the weights' size)
         packed += 1
     log.info("prepacked %d linear layers for oneDNN (%s, CPU)", packed, ", ".join(map(str, dtypes)))
+    if max_rows:
+        warm_up(model, max_rows, max_seqs or max_rows)
     return packed
+
+
+def padded_row_counts(max_rows: int) -> list[int]:
+    """Every row count a bf16 pass of 1 to ``max_rows`` tokens runs its linears at (``cpu_stack.cpp``'s
+    ``padded_rows``), ascending; empty where the stack operator does not build."""
+    stack = _row_split_ops()
+    if stack is None:
+        return []
+    return sorted({stack.padded_rows(t, torch.bfloat16) for t in range(1, max_rows + 1)})
+
+
+def warm_up(model: nn.Module, max_rows: int, max_head_rows: int) -> float:
+    """Run each distinct bf16 packed weight shape of ``model`` once at every padded row count up to
+    ``max_rows`` (``cpu_stack.cpp``'s ``padded_rows``: each count to 16, then multiples of 16 to 256
+    rows, 32 to 512, 64 to 1024, 128 beyond), the LM head (the widest output) up to ``max_head_rows``,
+    so oneDNN builds those matmuls now rather than in a request's pass (4-7 ms per projection and
+    count at ~1000 rows on an AMX CPU). Returns the seconds it took (0 without bf16 packed weights or
+    the stack operator)."""
+    stack = _row_split_ops()
+    shapes = {}
+    for m in model.modules():
+        w = getattr(m, "packed_weight", None)
+        if w is not None and w.dtype == torch.bfloat16:
+            shapes.setdefault((m.in_features, m.out_features, m.bias is not None), m)
+    if stack is None or not shapes:
+        return 0.0
+    rows = padded_row_counts(max_rows)
+    head = max(shapes, key=lambda s: s[1])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for n in rows:
+            for (in_features, out_features, bias), m in shapes.items():
+                if (in_features, out_features, bias) != head or n <= max_head_rows:
+                    stack.linear(torch.zeros(n, in_features, dtype=torch.bfloat16), m.packed_weight, m.bias)
+    seconds = time.perf_counter() - t0
+    log.info("built bf16 matmuls for %d row counts x %d shapes in %.1f s", len(rows), len(shapes), seconds)
+    return seconds
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

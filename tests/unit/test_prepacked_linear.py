@@ -46,3 +46,37 @@ def test_packed_equals_linear(dtype):
         w, b = plain[name]
         inp = x if name != "down" else torch.randn(5, 64).to(dtype)
         torch.testing.assert_close(getattr(model, name)(inp), F.linear(inp, w, b), atol=tol, rtol=tol)
+
+
+def _stack_ops():
+    ops = prepacked_linear._row_split_ops()
+    if ops is None:
+        pytest.skip("the C++ stack operator does not build here")
+    return ops
+
+
+def test_bf16_row_counts_are_padded_to_few_buckets():
+    """bf16 passes run their linears at bucketed row counts (oneDNN builds a matmul per count)."""
+    ops = _stack_ops()
+    pad = lambda t, dt=torch.bfloat16: ops.padded_rows(t, dt)  # noqa: E731
+    assert [pad(t) for t in (1, 13, 16, 17, 200, 256, 257, 500, 513, 1000, 1024, 1025)] == [
+        1, 13, 16, 32, 208, 256, 288, 512, 576, 1024, 1024, 1152
+    ]  # fmt: skip
+    assert pad(200, torch.float32) == 200 and pad(1000, torch.float32) == 1000
+    counts = prepacked_linear.padded_row_counts(1024)
+    assert counts[:17] == list(range(1, 17)) + [32] and counts[-1] == 1024 and len(counts) == 47
+    assert all(pad(t) in counts for t in range(1, 1025))
+
+
+def test_padded_bf16_linear_keeps_each_rows_result():
+    """A 200-row bf16 product runs at 208 rows: the 200 rows returned are each row's own product."""
+    ops = _stack_ops()
+    if torch.bfloat16 not in prepacked_linear._packable_dtypes():
+        pytest.skip("bf16 linears are not packed on this CPU")
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, prepacked_linear.BATCH_HINT)
+    x = torch.randn(200, 64).bfloat16()
+    got = ops.linear(x, packed, b)
+    assert got.shape == (200, 96) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=2e-2, rtol=2e-2)
