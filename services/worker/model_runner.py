@@ -12,7 +12,6 @@ import logging
 import os
 import time
 
-import numpy as np
 import torch
 
 from fuseserve.config import EngineConfig
@@ -71,10 +70,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.model = load_model(model_path, hf_config, self.device, self.dtype, progress=progress)
         quantization.keep_float_weights_bf16(self.model)  # a quantized model's bf16 embedding / LM head
-        if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
-            # fp32, bf16 where native (its matmuls built for every pass size); FUSESERVE_PREPACK=0 off
-            max_rows = self.config.token_budget or max(PROFILE_SIZES)
-            prepacked_linear.prepack(self.model, max_rows, self.config.max_num_seqs)
+        self._prepack()
         self.lora = self._load_adapters()
         self.block_size = self.config.block_size
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)  # the cache's storage
@@ -118,6 +114,13 @@ class ModelRunner:
             str(self.kv_dtype).split(".")[-1],
             sorted(self.lora.adapters) if self.lora is not None else [],
         )
+
+    def _prepack(self) -> None:
+        """The CPU linears' weights packed for oneDNN (fp32, bf16 where native; ``FUSESERVE_PREPACK=0``
+        off, one rank only), bf16 matmuls built for every pass size up to the token budget."""
+        if parallel.world()[1] == 1 and os.environ.get("FUSESERVE_PREPACK", "1") != "0":
+            max_rows = self.config.token_budget or max(PROFILE_SIZES)
+            prepacked_linear.prepack(self.model, max_rows, self.config.max_num_seqs)
 
     def _load_adapters(self) -> LoRAManager | None:
         """The adapters of ``config.lora_modules`` wrapped around the model (``lora_manager.py``);
@@ -333,7 +336,9 @@ class ModelRunner:
                 sampled.append((i, len(input_ids) - 1, c))
         sampled.sort(key=lambda s: s[0])  # sampled tokens are returned in plan order
         logits_idx = [row for _, row, _ in sampled]
-        batch = self._ragged_batch(input_ids, starts, query_lens, context_lens, tables, logits_idx)
+        batch = RaggedBatch.build(
+            input_ids, starts, query_lens, context_lens, tables, logits_idx, self.block_size, self.device
+        )
         if slots:
             batch.lora = self.lora.batch([slots[i] for i in order], query_lens)
             if order != sorted(order):
@@ -357,45 +362,6 @@ class ModelRunner:
     def _live_adapters(self) -> set[str]:
         """The LoRA adapters of the sequences this worker holds."""
         return {s.lora for s in self.seqs.values() if s.lora is not None}
-
-    def _ragged_batch(
-        self,
-        input_ids: list[int],
-        starts: list[int],
-        query_lens: list[int],
-        context_lens: list[int],
-        tables: list[list[int]],
-        logits_idx: list[int],
-    ) -> RaggedBatch:
-        """The pass's tensors, each built in one go: positions and slots from per-chunk counts and
-        the padded block tables (no per-token Python)."""
-        dev = self.device
-        bs = self.block_size
-        max_blocks = max((len(t) for t in tables), default=0)
-        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-        bt = bt.reshape(len(tables), max_blocks)
-        q = torch.tensor(query_lens, dtype=torch.long)
-        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q, 0, out=cu[1:])
-        num_tokens = len(input_ids)
-        # token i of chunk j sits at position starts[j] + (i - cu[j]). numpy, not torch.repeat_interleave:
-        # its CPU kernel opens a parallel region for any size, and in a served worker the second thread
-        # was often off its core between passes, so the call took 2-8 ms instead of 0.04 (measured)
-        chunk_of = torch.from_numpy(np.repeat(np.arange(len(query_lens)), query_lens))
-        shift = torch.tensor(starts, dtype=torch.long) - cu[:-1].long()
-        positions = torch.arange(num_tokens) + shift[chunk_of]
-        slots = bt[chunk_of, positions // bs].long() * bs + positions % bs
-        return RaggedBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions=positions.to(dev, non_blocking=True),
-            cu_seqlens_q=cu.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=bt.to(dev, non_blocking=True),
-            slot_mapping=slots.to(dev, non_blocking=True),
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long).to(dev, non_blocking=True),
-            query_lens=query_lens,
-            context_lens=context_lens,
-        )
 
     @staticmethod
     def _record_tokens(seq: WorkerSeq, start_pos: int, tokens: list[int]) -> None:
