@@ -75,7 +75,7 @@ void for_each_row_chunk(int64_t T, int64_t n, const F& f) {
 // a new count cost 4-7 ms per projection at ~1000 rows against 0.3-3 ms warm, ~2 ms at 200 rows, and
 // a 1007-token pass 276 ms cold against 168 ms warm. A server sees a new count in nearly every prefill
 // pass, and the primitive cache (1024 entries) cannot hold every count of every projection; with
-// buckets the counts are few (LayerStack.warm_up builds them at start), for at most 1/8 more rows.
+// buckets the counts are few (prepacked_linear.warm_up builds them at load), for at most 1/8 more rows.
 int64_t padded_rows(int64_t T, at::ScalarType dtype) {
   if (dtype != at::kBFloat16 || T <= 16) return T;
   const int64_t step = T <= 256 ? 16 : T <= 512 ? 32 : T <= 1024 ? 64 : 128;

@@ -135,6 +135,12 @@ def prepack(model: nn.Module, max_rows: int = 0, max_seqs: int = 0) -> int:
     return packed
 
 
+WARM_UP_BUDGET_S = 3.0
+"""``warm_up`` builds row counts in ascending order for at most this long: each count costs a pass of
+that many rows' matmuls, which for a large model on few cores outweighs the few milliseconds of the
+build it saves (SmolLM2 takes 0.4 s for all of them)."""
+
+
 def padded_row_counts(max_rows: int) -> list[int]:
     """Every row count a bf16 pass of 1 to ``max_rows`` tokens runs its linears at (``cpu_stack.cpp``'s
     ``padded_rows``), ascending; empty where the stack operator does not build."""
@@ -149,8 +155,8 @@ def warm_up(model: nn.Module, max_rows: int, max_head_rows: int) -> float:
     ``max_rows`` (``cpu_stack.cpp``'s ``padded_rows``: each count to 16, then multiples of 16 to 256
     rows, 32 to 512, 64 to 1024, 128 beyond), the LM head (the widest output) up to ``max_head_rows``,
     so oneDNN builds those matmuls now rather than in a request's pass (4-7 ms per projection and
-    count at ~1000 rows on an AMX CPU). Returns the seconds it took (0 without bf16 packed weights or
-    the stack operator)."""
+    count at ~1000 rows on an AMX CPU), for at most ``WARM_UP_BUDGET_S``. Returns the seconds it took
+    (0 without bf16 packed weights or the stack operator)."""
     stack = _row_split_ops()
     shapes = {}
     for m in model.modules():
@@ -162,13 +168,20 @@ def warm_up(model: nn.Module, max_rows: int, max_head_rows: int) -> float:
     rows = padded_row_counts(max_rows)
     head = max(shapes, key=lambda s: s[1])
     t0 = time.perf_counter()
+    built = 0
     with torch.inference_mode():
         for n in rows:
+            if time.perf_counter() - t0 > WARM_UP_BUDGET_S:
+                break
             for (in_features, out_features, bias), m in shapes.items():
                 if (in_features, out_features, bias) != head or n <= max_head_rows:
                     stack.linear(torch.zeros(n, in_features, dtype=torch.bfloat16), m.packed_weight, m.bias)
+            built += 1
     seconds = time.perf_counter() - t0
-    log.info("built bf16 matmuls for %d row counts x %d shapes in %.1f s", len(rows), len(shapes), seconds)
+    log.info(
+        "built bf16 matmuls for %d of %d row counts x %d shapes in %.1f s%s", built, len(rows), len(shapes),
+        seconds, "" if built == len(rows) else " (the rest on first use)",
+    )  # fmt: skip
     return seconds
 
 
