@@ -259,24 +259,48 @@ def open_pipeline(
     )
 
 
+def new_tokens_for(shape: str) -> int:
+    """Greedy tokens per prompt in a parity check."""
+    return 16 if shape != "tiny" else 6
+
+
+def budget_for(shape: str) -> int:
+    """The token budget of the check's pipelines."""
+    return 256 if shape != "tiny" else 32
+
+
+def reference(shape: str, root: Path) -> tuple[Path, list[list[int]], list]:
+    """The ``shape`` checkpoint (``build_checkpoint``), its prompts and transformers' greedy reference
+    (``hf_greedy``); the transformers model is freed."""
+    path, hf = build_checkpoint(shape, root)
+    prompts = prompts_for(shape, SHAPES[shape]["vocab_size"])
+    t0 = time.perf_counter()
+    ref = hf_greedy(hf, prompts, new_tokens_for(shape))
+    log(f"{shape}: transformers greedy in {time.perf_counter() - t0:.1f} s")
+    del hf
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return path, prompts, ref
+
+
+def greedy_parity(pipe, prompts: list[list[int]], ref: list, new_tokens: int) -> tuple[list[dict], float]:
+    """``pipe``'s greedy tokens for ``prompts`` against transformers' ``ref`` (``compare``, per prompt),
+    and the seconds the generation took."""
+    t0 = time.perf_counter()
+    resps = pipe(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, logprobs=0)
+    wall = time.perf_counter() - t0
+    return [compare(r.token_ids, r.logprobs, *ref[i]) for i, r in enumerate(resps)], wall
+
+
 def step_model(out: Path, shape: str, root: Path, workload: bool = False) -> None:
     """Greedy parity with transformers (bf16, same weights) and forward-pass times, per backend; then,
     with ``workload``, the paper's workload through the pipeline (auto backend, block size 16)."""
     from fuseserve.worker.attention import get_backend
     from fuseserve.worker.profiler import measure_curve
 
-    path, hf = build_checkpoint(shape, root)
-    cfg = SHAPES[shape]
-    new_tokens = 16 if shape != "tiny" else 6
-    prompts = prompts_for(shape, cfg["vocab_size"])
-    t0 = time.perf_counter()
-    ref = hf_greedy(hf, prompts, new_tokens)
-    log(f"{shape}: transformers greedy in {time.perf_counter() - t0:.1f} s")
-    del hf
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    path, prompts, ref = reference(shape, root)
     kv_memory = "40GiB" if shape == "llama2-7b" else "2GiB" if device().type == "cuda" else "64MiB"
-    budget = 256 if shape != "tiny" else 32
+    budget = budget_for(shape)
     here = backends_here()
     # flash-attn first (it needs 256-token pages); the 16-token pipeline then serves the workload
     for block_size in (256, 16):
@@ -289,14 +313,7 @@ def step_model(out: Path, shape: str, root: Path, workload: bool = False) -> Non
                 pipe.runner.use_backend(
                     get_backend(name, pipe.runner.device, block_size=block_size, dtype=torch.bfloat16)
                 )
-                t0 = time.perf_counter()
-                resps = pipe(
-                    prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, logprobs=0
-                )
-                wall = time.perf_counter() - t0
-                results = [
-                    compare(r.token_ids, r.logprobs, *ref[i]) for i, r in enumerate(resps)
-                ]  # fmt: skip
+                results, wall = greedy_parity(pipe, prompts, ref, new_tokens_for(shape))
                 record(out, step="parity", shape=shape, backend=name, block_size=block_size,
                        ok=all(r["ok"] for r in results), seconds=wall, prompts=[len(p) for p in prompts],
                        per_prompt=results)  # fmt: skip
@@ -320,23 +337,14 @@ def step_compiled(out: Path, shape: str, root: Path) -> None:
     block size 16, auto backend)."""
     from fuseserve.worker.profiler import measure_curve
 
-    path, hf = build_checkpoint(shape, root)
-    new_tokens = 16 if shape != "tiny" else 6
-    prompts = prompts_for(shape, SHAPES[shape]["vocab_size"])
-    ref = hf_greedy(hf, prompts, new_tokens)
-    del hf
-    budget = 256 if shape != "tiny" else 32
+    path, prompts, ref = reference(shape, root)
+    budget = budget_for(shape)
     kv_memory = "2GiB" if device().type == "cuda" else "64MiB"
     pipe = open_pipeline(path, block_size=16, token_budget=budget, kv_memory=kv_memory, compile=True)
     try:
         runner = pipe.runner
         log(f"{shape}: compiled={runner.compiled is not None} in {runner.compile_s:.1f} s")
-        t0 = time.perf_counter()
-        resps = pipe(
-            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, logprobs=0
-        )
-        wall = time.perf_counter() - t0
-        results = [compare(r.token_ids, r.logprobs, *ref[i]) for i, r in enumerate(resps)]
+        results, wall = greedy_parity(pipe, prompts, ref, new_tokens_for(shape))
         curve = measure_curve(runner, sizes=(1, budget), repeats=3)
         record(out, step="compiled", shape=shape, backend=runner.backend.name, compiled=runner.compiled is not None,
                compile_s=runner.compile_s, ok=runner.compiled is not None and all(r["ok"] for r in results),

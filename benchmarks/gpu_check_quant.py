@@ -59,14 +59,14 @@ def step_int4(out: Path, shape: str, root: Path) -> None:
 
     path, qpath, hf = quantized_checkpoint(shape, root)
     cfg = gc.SHAPES[shape]
-    new_tokens = 16 if shape != "tiny" else 6
+    new_tokens = gc.new_tokens_for(shape)
     prompts = gc.prompts_for(shape, cfg["vocab_size"])
     ref = gc.hf_greedy(hf, prompts, new_tokens)
     del hf
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     kv = "8GiB" if gc.device().type == "cuda" else "64MiB"
-    budget = 256 if shape != "tiny" else 32
+    budget = gc.budget_for(shape)
     pipes = {}
     for label, source in (("int4", qpath), ("bf16", path)):
         t0 = time.perf_counter()
@@ -80,13 +80,9 @@ def step_int4(out: Path, shape: str, root: Path) -> None:
         for backend in ("auto", "torch"):  # the torch reference attention tells the GEMM apart from attention
             pipe.runner.use_backend(get_backend(backend, pipe.runner.device, block_size=pipe.runner.block_size,
                                                 dtype=torch.bfloat16))  # fmt: skip
-            t0 = time.perf_counter()
-            resps = pipe(
-                prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, logprobs=0
-            )
-            results = [gc.compare(r.token_ids, r.logprobs, *ref[i]) for i, r in enumerate(resps)]
+            results, wall = gc.greedy_parity(pipe, prompts, ref, new_tokens)
             gc.record(out, step="int4_parity", shape=shape, attention=pipe.runner.backend.name,
-                      ok=all(r["ok"] for r in results), seconds=time.perf_counter() - t0,
+                      ok=all(r["ok"] for r in results), seconds=wall,
                       kernels=layer_kernels(pipe), per_prompt=results)  # fmt: skip
         rates: dict[str, dict[int, float]] = {label: {} for label in pipes}
         gen = Prompts(cfg["vocab_size"], 8)
