@@ -94,11 +94,10 @@ at::Tensor pad_rows(const at::Tensor& x, int64_t rows) {
 
 // x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it: at
 // padded_rows(T) rows (the surplus rows computed and dropped), in row chunks where row_chunks says.
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& b) {
-  const int64_t rows = x_in.size(0), padded = padded_rows(rows, x_in.scalar_type());
-  if (padded != rows) return linear(pad_rows(x_in, padded), w, b).narrow(0, 0, rows);
-  const at::Tensor& x = x_in;
-  const int64_t T = x.size(0), n = row_chunks(x);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const int64_t T = x.size(0), padded = padded_rows(T, x.scalar_type());
+  if (padded != T) return linear(pad_rows(x, padded), w, b).narrow(0, 0, T);
+  const int64_t n = row_chunks(x);
   if (n == 1) return linear_call(x, w, b);
   at::Tensor out = at::empty({T, w.size(0)}, x.options());
   for_each_row_chunk(T, n, [&](int64_t r0, int64_t rows) {
