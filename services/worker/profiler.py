@@ -43,9 +43,7 @@ def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, fl
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
     capacity = runner.info.num_blocks * runner.block_size
-    fits = [
-        n for n in sizes if sum(-(-m // runner.block_size) for m in _prompt_lens(n)) <= runner.info.num_blocks
-    ]
+    fits = [n for n in sizes if sum(_prompt_blocks(n, runner.block_size)) <= runner.info.num_blocks]
     if not fits:
         raise ValueError(f"the KV cache holds {capacity} tokens, too few to profile a {sizes[0]}-token pass")
     sizes = fits
@@ -55,9 +53,10 @@ def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, fl
         best = float("inf")
         for _ in range(repeats):
             chunks, first = [], 0
-            for i, tokens in enumerate(prompts):  # scratch sequences, alone in the cache
-                used = -(-len(tokens) // runner.block_size)
-                blocks = list(range(first, first + used))
+            for i, (tokens, used) in enumerate(
+                zip(prompts, _prompt_blocks(n, runner.block_size), strict=True)
+            ):
+                blocks = list(range(first, first + used))  # scratch sequences, alone in the cache
                 first += used
                 sid = _PROFILE_SEQ_ID - i
                 chunks.append(
@@ -85,6 +84,11 @@ def measure_curve(runner, sizes=PROFILE_SIZES, repeats: int = 2) -> dict[int, fl
 def _prompt_lens(n: int) -> list[int]:
     """The prompt lengths of a profiled ``n``-token pass."""
     return [min(PROFILE_PROMPT_TOKENS, n - i) for i in range(0, n, PROFILE_PROMPT_TOKENS)]
+
+
+def _prompt_blocks(n: int, block_size: int) -> list[int]:
+    """KV blocks each prompt of a profiled ``n``-token pass takes."""
+    return [-(-m // block_size) for m in _prompt_lens(n)]
 
 
 def knee(curve: dict[int, float], fraction: float = KNEE_FRACTION) -> int:
