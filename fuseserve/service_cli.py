@@ -147,6 +147,13 @@ def _worker_parser(sub) -> None:
     w.add_argument("--worker-id", default=None, help="registry id (default: hostname + random suffix)")
     w.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     w.add_argument(
+        "--cpu-bind",
+        default="auto",
+        metavar="auto|none|CPU[,CPU...]",
+        help="bind the torch threads one per CPU: auto binds when this process may run on exactly as "
+        "many CPUs as it has threads (default: %(default)s)",
+    )
+    w.add_argument(
         "--metrics-port",
         type=int,
         default=None,

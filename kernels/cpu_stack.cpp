@@ -21,6 +21,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#ifdef __linux__
+#include <sched.h>
+#endif
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -237,9 +241,36 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
   return x.narrow(0, 0, tokens);
 }
 
+// Binds the calling thread's intra-op (OpenMP) threads one to a CPU: thread i to cpus[i], the calling
+// thread (thread 0 of its team) included; returns the CPU each thread runs on afterwards (-1 where the
+// binding failed, and everywhere but on Linux). Threads the pool starts later (a larger
+// set_num_threads) are not bound.
+std::vector<int64_t> bind_threads(at::IntArrayRef cpus) {
+  const int64_t n = at::get_num_threads();
+  TORCH_CHECK(static_cast<int64_t>(cpus.size()) >= n, "bind_threads: ", n, " threads need as many CPUs, got ",
+              cpus.size());
+  std::vector<int64_t> got(n, -1);
+  auto bind = [&](int64_t i) {
+#ifdef __linux__
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(cpus[i]), &set);
+    if (sched_setaffinity(0, sizeof(set), &set) == 0) got[i] = sched_getcpu();
+#endif
+  };
+  if (n == 1) {
+    bind(0);
+    return got;
+  }
+  // one index per thread: at::parallel_for gives a team of n threads one element each
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { bind(at::get_thread_num()); });
+  return got;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fuseserve_stack, m) {
+  m.def("bind_threads(int[] cpus) -> int[]");
   m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
   m.def("padded_rows(int rows, ScalarType dtype) -> int");
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
@@ -254,4 +285,7 @@ TORCH_LIBRARY_IMPL(fuseserve_stack, CatchAll, m) {
   m.impl("linear", linear_op);
 }
 
-TORCH_LIBRARY_IMPL(fuseserve_stack, CompositeExplicitAutograd, m) { m.impl("padded_rows", padded_rows); }
+TORCH_LIBRARY_IMPL(fuseserve_stack, CompositeExplicitAutograd, m) {
+  m.impl("padded_rows", padded_rows);
+  m.impl("bind_threads", bind_threads);
+}

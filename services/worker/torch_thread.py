@@ -17,10 +17,13 @@ A call from the torch thread itself runs inline, so runner methods may call each
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from fuseserve.errors import InvalidParameterError
 
 
 class TorchThread:
@@ -81,3 +84,43 @@ def on_torch_thread(build: Callable[..., Any], *args: Any, **kwargs: Any) -> OnT
     """``build(*args, **kwargs)`` run on the torch thread, its result wrapped in ``OnTorchThread``."""
     thread = torch_thread()
     return OnTorchThread(thread.call(build, *args, **kwargs), thread)
+
+
+def bind_cpus(spec: str, threads: int) -> list[int]:
+    """The CPUs the torch thread's ``threads`` intra-op threads are bound to, one each, for ``--cpu-bind
+    spec``: ``none`` → ``[]``; a comma-separated list of CPU ids → its first ``threads``; ``auto`` →
+    this process's allowed CPUs (``os.sched_getaffinity``) when there are exactly ``threads`` of them
+    (the worker owns them: a container's cpuset, or a local stack's share), else ``[]``.
+
+    Raises ``InvalidParameterError`` for a list that is not ids of allowed CPUs, or shorter than ``threads``.
+    """
+    if spec == "none" or not hasattr(os, "sched_getaffinity"):  # Linux only
+        return []
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "auto":
+        return allowed if len(allowed) == threads else []
+    try:
+        cpus = [int(c) for c in spec.split(",")]
+    except ValueError:
+        raise InvalidParameterError("cpu_bind", spec, "auto, none or CPU ids like 0,1") from None
+    if len(cpus) < threads or not set(cpus) <= set(allowed):
+        raise InvalidParameterError(
+            "cpu_bind", spec, f"{threads} ids of this process's CPUs ({','.join(map(str, allowed))})"
+        )
+    return cpus[:threads]
+
+
+def bind_threads(cpus: list[int]) -> list[int]:
+    """Bind the torch thread's intra-op threads one to each of ``cpus`` (thread 0, the torch thread
+    itself, to ``cpus[0]``): run on the torch thread. Returns the CPU each runs on (-1: not bound);
+    ``[]`` when there is nothing to bind or the C++ operator does not build here.
+
+    Why: on a machine whose cores the worker's threads fill, a pass waits at every barrier for a thread
+    the kernel moved or preempted; bound, each thread keeps its core and its caches
+    (``benchmarks/README.md``, "Bound threads").
+    """
+    from fuseserve.kernels import cpu_stack
+
+    if not cpus or not cpu_stack.available():
+        return []
+    return torch_thread().call(lambda: list(cpu_stack.load().bind_threads(cpus)))
