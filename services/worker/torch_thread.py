@@ -92,7 +92,8 @@ def bind_cpus(spec: str, threads: int) -> list[int]:
     this process's allowed CPUs (``os.sched_getaffinity``) when there are exactly ``threads`` of them
     (the worker owns them: a container's cpuset, or a local stack's share), else ``[]``.
 
-    Raises ``InvalidParameterError`` for a list that is not ids of allowed CPUs, or shorter than ``threads``.
+    Raises ``InvalidParameterError`` for a list that is not ids of allowed CPUs, or has fewer than
+    ``threads`` distinct ones.
     """
     if spec == "none" or not hasattr(os, "sched_getaffinity"):  # Linux only
         return []
@@ -103,7 +104,7 @@ def bind_cpus(spec: str, threads: int) -> list[int]:
         cpus = [int(c) for c in spec.split(",")]
     except ValueError:
         raise InvalidParameterError("cpu_bind", spec, "auto, none or CPU ids like 0,1") from None
-    if len(cpus) < threads or not set(cpus) <= set(allowed):
+    if len(set(cpus[:threads])) < threads or not set(cpus) <= set(allowed):
         raise InvalidParameterError(
             "cpu_bind", spec, f"{threads} ids of this process's CPUs ({','.join(map(str, allowed))})"
         )

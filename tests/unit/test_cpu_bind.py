@@ -25,8 +25,9 @@ def test_bind_cpus_auto_none_and_lists():
     for bad in ("x", "0,,1", str(max(ALLOWED) + 1)):
         with pytest.raises(InvalidParameterError):
             bind_cpus(bad, 1)
-    with pytest.raises(InvalidParameterError):  # fewer CPUs than threads
-        bind_cpus(str(ALLOWED[0]), 2)
+    for short in (str(ALLOWED[0]), f"{ALLOWED[0]},{ALLOWED[0]}"):  # fewer distinct CPUs than threads
+        with pytest.raises(InvalidParameterError):
+            bind_cpus(short, 2)
 
 
 def test_serve_gives_each_worker_its_own_cpus():
