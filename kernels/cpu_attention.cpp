@@ -25,6 +25,10 @@
 //    rows in order (one head's elements at the token stride read at a third of the bandwidth), and
 //    K / V blocks are prefetched two blocks ahead (in a decode pass the cache comes from memory: a
 //    SmolLM2 bf16 pass of 16 decodes at context ~230, 25.2-25.7 -> 24.4-24.8 ms; benchmarks/README.md).
+//    bf16 queries and caches on a CPU with AVX512_BF16 (head_dim 32 to 128 in steps of 32) take
+//    attend_few_rows_dp instead: the same passes with Q.K and P.V as bf16 dot products (vdpbf16ps),
+//    no widening of K and V, P rounded to bf16 for P.V as PyTorch's CPU flash attention does (that
+//    pass 23.5-24.2 -> 22.4-23.0 ms, 64 decodes 54.2-54.5 -> 49.6-51.7 ms).
 //
 // The caches hold the query's dtype, or float8 e4m3 (an fp8 KV cache, kernels/kv_quant.py): each
 // byte is widened to fp32 through a 256-entry table as its block is read; the per-tensor scales are
@@ -45,6 +49,10 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_vec.h"
 
@@ -92,6 +100,21 @@ inline void prefetch_line(const char* p) {
 #else
   __builtin_prefetch(p, 0, TO_L1 ? 3 : 2);
 #endif
+}
+
+// Block b of a sequence's table: its K rows of `bytes` per token (the heads read) to L1, its V rows to L2
+// (read in a later pass). No-op past the last block the reads reach.
+inline void prefetch_block(const char* k_cache, const char* v_cache, const int32_t* table, int64_t b, int64_t last,
+                           int64_t block_bytes, int64_t block_size, int64_t tok_bytes, int64_t bytes) {
+  if (b > last) return;
+  const char* k = k_cache + table[b] * block_bytes;
+  const char* v = v_cache + table[b] * block_bytes;
+  for (int64_t r = 0; r < block_size; ++r) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+      prefetch_line<true>(k + r * tok_bytes + o);
+      prefetch_line<false>(v + r * tok_bytes + o);
+    }
+  }
 }
 
 // Caches whose rows load 16 elements at a time as fp32 (the few-rows path); fp16 and fp8 go element by element.
@@ -287,20 +310,12 @@ void attend_few_rows(const v16* q, int64_t rows, int64_t heads, int64_t nv, cons
       }
     }
   };
-  // Software prefetch, PREFETCH_BLOCKS blocks ahead of pass 1: a block's K rows (these heads) to L1,
-  // its V rows to L2 for pass 3; a sequence's blocks lie anywhere in the cache, so the hardware's
-  // streams stop at each block.
+  // Software prefetch, PREFETCH_BLOCKS blocks ahead of pass 1 (K for it, V for pass 3): a sequence's
+  // blocks lie anywhere in the cache, so the hardware's streams stop at each block.
   const int64_t first_block = base / block_size, last_block = hi / block_size;
   auto prefetch = [&](int64_t b) {
-    if (b > last_block) return;
-    const char* k = reinterpret_cast<const char*>(kb + table[b] * block_stride);
-    const char* v = reinterpret_cast<const char*>(vb + table[b] * block_stride);
-    for (int64_t r = 0; r < block_size; ++r) {
-      for (int64_t o = 0; o < heads * head_dim * static_cast<int64_t>(sizeof(KT)); o += 64) {
-        prefetch_line<true>(k + r * tok_stride * sizeof(KT) + o);
-        prefetch_line<false>(v + r * tok_stride * sizeof(KT) + o);
-      }
-    }
+    prefetch_block(reinterpret_cast<const char*>(kb), reinterpret_cast<const char*>(vb), table, b, last_block,
+                   block_stride * sizeof(KT), block_size, tok_stride * sizeof(KT), heads * head_dim * sizeof(KT));
   };
   for (int64_t b = first_block; b < first_block + PREFETCH_BLOCKS; ++b) prefetch(b);
   // pass 1: scores of every key up to hi (those a row may not see are -inf)
@@ -355,6 +370,142 @@ void attend_few_rows(const v16* q, int64_t rows, int64_t heads, int64_t nv, cons
   });
 }
 
+#if defined(__AVX512BF16__)
+// attend_few_rows for bf16 queries and caches on CPUs with AVX512_BF16, head_dim = 32 H (H <= 4):
+// Q.K and P.V as bf16 dot products (vdpbf16ps: two bf16 products summed into each fp32 lane, the
+// products exact), read straight from the cache without widening each key and value to fp32. q: the
+// rows' unscaled bf16 queries, heads x rows x head_dim; scores are q.k * scale. P goes to bf16 for
+// P.V (as flash-attention kernels do; l sums the fp32 weights). Fills acc (fp32, head_dim in
+// order, H / 2 vectors a row) and l as attend_few_rows does. pbuf, vbuf: scratch, resized here.
+constexpr bool kBf16Dot = true;
+constexpr int64_t kMaxDotHalves = 4;  // head_dim up to 128
+
+template <int H>
+void attend_few_rows_dp(const c10::BFloat16* q, float scale, int64_t rows, int64_t heads, const int64_t* pos,
+                        int64_t lo, int64_t hi, int64_t window, float soft_cap, const int32_t* table,
+                        int64_t block_size, const c10::BFloat16* kb, const c10::BFloat16* vb, int64_t block_stride,
+                        int64_t tok_stride, std::vector<float>& sbuf, std::vector<c10::BFloat16>& pbuf,
+                        std::vector<__m512i>& vbuf, v16* acc, float* l) {
+  constexpr int64_t D = 32 * H;
+  const int64_t base = lo / block_size * block_size;  // key of sbuf column 0 (a multiple of 16)
+  const int64_t len = hi + 1 - base, width = (len + 31) / 32 * 32 + KC, all = heads * rows;
+  sbuf.resize(all * width);
+  pbuf.resize(all * width);
+  float* sb = sbuf.data();
+  v16 t[KC];
+  const int64_t first_block = base / block_size, last_block = hi / block_size;
+  auto prefetch = [&](int64_t b) {  // as attend_few_rows does
+    prefetch_block(reinterpret_cast<const char*>(kb), reinterpret_cast<const char*>(vb), table, b, last_block,
+                   block_stride * 2, block_size, tok_stride * 2, heads * D * 2);
+  };
+  for (int64_t b = first_block; b < first_block + PREFETCH_BLOCKS; ++b) prefetch(b);
+  // pass 1: scores of every key up to hi (those a row may not see are -inf)
+  for_each_chunk(first_block, hi, block_size, [&](int64_t b, int64_t c0, int64_t j0, int64_t n) {
+    if (c0 == 0) prefetch(b + PREFETCH_BLOCKS);
+    const c10::BFloat16* chunk = kb + table[b] * block_stride + c0 * tok_stride;
+    for (int64_t rr = 0; rr < all; ++rr) {
+      __m512bh qr[H];
+      for (int h = 0; h < H; ++h) qr[h] = (__m512bh)_mm512_loadu_si512(q + rr * D + 32 * h);
+      const c10::BFloat16* kh = chunk + (rr / rows) * D;
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        for (int h = 0; h < H; ++h) a = _mm512_dpbf16_ps(a, qr[h], (__m512bh)_mm512_loadu_si512(kh + j * tok_stride + 32 * h));
+        t[j] = (v16)a;
+      }
+      for (int64_t j = n; j < KC; ++j) t[j] = splat(0.0f);
+      const v16 sr = capped_visible(fold16(t) * scale, soft_cap, j0, n, pos[rr % rows], window);
+      std::memcpy(sb + rr * width + (j0 - base), &sr, sizeof(sr));  // lanes past n: the next chunk's
+    }
+  });
+  // pass 2: per row, p = exp(s - max), l = sum p, and p rounded to bf16 (zero past len, so key pairs
+  // read zeros): PyTorch's CPU flash attention also sums the fp32 weights and multiplies V by bf16 ones
+  const int64_t nvec = (len + 15) / 16, npad = (len + 31) / 32 * 2;
+  for (int64_t rr = 0; rr < all; ++rr) {
+    float* row = sb + rr * width;
+    for (int64_t j = len; j < npad * 16; ++j) row[j] = NEG_INF;
+    v16 mx = splat(NEG_INF);
+    for (int64_t i = 0; i < nvec; ++i) {
+      v16 x;
+      std::memcpy(&x, row + i * 16, sizeof(x));
+      mx = x > mx ? x : mx;
+    }
+    const float m = hmax(mx);
+    v16 sum = splat(0.0f);
+    c10::BFloat16* prow = pbuf.data() + rr * width;
+    for (int64_t i = 0; i < npad; i += 2) {
+      v16 x0, x1;
+      std::memcpy(&x0, row + i * 16, sizeof(x0));
+      std::memcpy(&x1, row + i * 16 + 16, sizeof(x1));
+      const v16 p0 = exp_neg_v(x0 - m), p1 = exp_neg_v(x1 - m);
+      _mm512_storeu_si512(prow + i * 16, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+      sum += p0 + p1;
+    }
+    l[rr] = hsum(sum);
+  }
+  // pass 3: acc = P V over key pairs. vbuf holds, per head, each pair's two value rows with their
+  // elements interleaved (unpacklo / unpackhi of 16-bit words, per 128-bit lane), so one vdpbf16ps adds
+  // p[j] v[j][d] + p[j+1] v[j+1][d] into lane d; the lanes' dims come out permuted (lo: 8L + i, hi:
+  // 8L + 4 + i for 128-bit lane L, i < 4) and are put in order at the end. Two accumulator sets (even
+  // and odd pairs) halve the chain of dependent vdpbf16ps.
+  constexpr int R = 2 * H;  // registers a row: lo and hi per half
+  std::vector<__m512> accp(all * R, _mm512_setzero_ps());
+  vbuf.resize(heads * (KC / 2) * R);
+  for_each_chunk(base / block_size, hi, block_size, [&](int64_t b, int64_t c0, int64_t j0, int64_t n) {
+    const c10::BFloat16* chunk = vb + table[b] * block_stride + c0 * tok_stride;
+    const int64_t pairs = (n + 1) / 2;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      for (int64_t pr = 0; pr < pairs; ++pr) {
+        const c10::BFloat16* v0 = chunk + 2 * pr * tok_stride + hh * D;
+        __m512i* dst = vbuf.data() + (hh * (KC / 2) + pr) * R;
+        for (int h = 0; h < H; ++h) {
+          const __m512i x = _mm512_loadu_si512(v0 + 32 * h);
+          const __m512i y = 2 * pr + 1 < n ? _mm512_loadu_si512(v0 + tok_stride + 32 * h) : _mm512_setzero_si512();
+          dst[2 * h] = _mm512_unpacklo_epi16(x, y);
+          dst[2 * h + 1] = _mm512_unpackhi_epi16(x, y);
+        }
+      }
+    }
+    for (int64_t rr = 0; rr < all; ++rr) {
+      const c10::BFloat16* prow = pbuf.data() + rr * width + (j0 - base);
+      const __m512i* vh = vbuf.data() + (rr / rows) * (KC / 2) * R;
+      __m512 a0[R], a1[R];
+      for (int g = 0; g < R; ++g) {
+        a0[g] = accp[rr * R + g];
+        a1[g] = _mm512_setzero_ps();
+      }
+      auto pair = [&](int64_t pr, __m512* a) {
+        uint32_t pp;
+        std::memcpy(&pp, prow + 2 * pr, sizeof(pp));
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp));
+        for (int g = 0; g < R; ++g) a[g] = _mm512_dpbf16_ps(a[g], p, (__m512bh)vh[pr * R + g]);
+      };
+      int64_t pr = 0;
+      for (; pr + 2 <= pairs; pr += 2) {
+        pair(pr, a0);
+        pair(pr + 1, a1);
+      }
+      if (pr < pairs) pair(pr, a0);
+      for (int g = 0; g < R; ++g) accp[rr * R + g] = _mm512_add_ps(a0[g], a1[g]);
+    }
+  });
+  for (int64_t rr = 0; rr < all; ++rr) {
+    float* out = reinterpret_cast<float*>(acc + rr * (D / 16));
+    for (int h = 0; h < H; ++h) {
+      alignas(64) float lo_v[16], hi_v[16];
+      _mm512_store_ps(lo_v, accp[rr * R + 2 * h]);
+      _mm512_store_ps(hi_v, accp[rr * R + 2 * h + 1]);
+      for (int k = 0; k < 16; ++k) {
+        out[32 * h + 8 * (k / 4) + k % 4] = lo_v[k];
+        out[32 * h + 8 * (k / 4) + 4 + k % 4] = hi_v[k];
+      }
+    }
+  }
+}
+#else
+constexpr bool kBf16Dot = false;
+constexpr int64_t kMaxDotHalves = 0;
+#endif
+
 template <typename T, typename KT>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
@@ -387,6 +538,9 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   // when there are enough of them to keep the threads busy; otherwise one head per item.
   const bool few_rows_path = kVectorLoad<KT> && head_dim % 16 == 0;
   const bool all_heads = static_cast<int64_t>(items.size()) >= 4 * at::get_num_threads();
+  // bf16 queries and caches where the CPU has AVX512_BF16: the few-rows path as bf16 dot products
+  constexpr bool kDotTypes = kBf16Dot && std::is_same_v<T, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16>;
+  const bool dot_path = kDotTypes && head_dim % 32 == 0 && head_dim <= 32 * kMaxDotHalves;
 
   // Work units go to the threads from one shared counter, the costliest first (cost: rows x keys
   // visible): a static split by index put a prefill chunk's tiles, which come after the decodes of the
@@ -413,6 +567,10 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     std::vector<float> m(max_rows), l(max_rows);
     std::vector<int64_t> pos(max_rows);
     std::vector<float> sbuf;  // the few-rows path's scores
+    std::vector<c10::BFloat16> qb(dot_path ? max_rows * head_dim : 0), pbuf;  // its bf16 queries, weights
+#if defined(__AVX512BF16__)
+    std::vector<__m512i> vbuf;  // its interleaved value pairs
+#endif
     float* qff = reinterpret_cast<float*>(qf.data());
     auto write_rows = [&](const Item& it, int64_t h, int64_t rows, int64_t heads) {  // out = acc / l
       for (int64_t rr = 0; rr < heads * rows; ++rr) {
@@ -431,12 +589,17 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       const int64_t rows = it.count * group;
       const bool few = few_rows_path && rows < TRANSPOSE_ROWS;
       const int64_t heads = few && all_heads ? num_kv_heads : 1;
+      const bool dot = dot_path && few;
       for (int64_t i = 0; i < it.count; ++i) {
         const int64_t p = ctx - q_len + (it.first - cu[it.seq]) + i;
         for (int64_t g = 0; g < group; ++g) pos[i * group + g] = p;
         for (int64_t hh = 0; hh < heads; ++hh) {
           for (int64_t g = 0; g < group; ++g) {
             const T* src = qp + (it.first + i) * q_stride + ((h + hh) * group + g) * q_head_stride;
+            if (dot) {  // the bf16 rows as they are
+              std::memcpy(qb.data() + (hh * rows + i * group + g) * head_dim, src, head_dim * sizeof(T));
+              continue;
+            }
             float* dst = qff + (hh * rows + i * group + g) * dp;
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
             for (int64_t d = head_dim; d < dp; ++d) dst[d] = 0.0f;
@@ -446,6 +609,26 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       const int64_t hi = pos[rows - 1];  // last key any row may see
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) : 0;
       const int32_t* table = tables + it.seq * max_blocks;
+#if defined(__AVX512BF16__)
+      if constexpr (kDotTypes) {
+        if (dot) {
+          const auto dot_rows = [&](auto halves) {
+            attend_few_rows_dp<decltype(halves)::value>(qb.data(), scale, rows, heads, pos.data(), lo, hi, window,
+                                                        soft_cap, table, block_size, kp + h * head_dim,
+                                                        vp + h * head_dim, kv_block_stride, kv_tok_stride, sbuf,
+                                                        pbuf, vbuf, acc.data(), l.data());
+          };
+          switch (head_dim / 32) {
+            case 1: dot_rows(std::integral_constant<int, 1>{}); break;
+            case 2: dot_rows(std::integral_constant<int, 2>{}); break;
+            case 3: dot_rows(std::integral_constant<int, 3>{}); break;
+            default: dot_rows(std::integral_constant<int, 4>{}); break;
+          }
+          write_rows(it, h, rows, heads);
+          continue;
+        }
+      }
+#endif
       if constexpr (kVectorLoad<KT>) {
         if (few) {
           attend_few_rows(qf.data(), rows, heads, nv, pos.data(), lo, hi, window, soft_cap, table, block_size,
