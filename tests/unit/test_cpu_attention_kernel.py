@@ -83,7 +83,7 @@ def run_backend(backend, batch, q, k, v, k_cache, v_cache, block_size, window, c
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window,cap", [(None, None), (20, None), (None, 30.0), (20, 5.0)], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_cpu_kernel_matches_reference(block_size, gqa, head_dim, window, cap, dtype):
