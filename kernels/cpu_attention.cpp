@@ -286,6 +286,18 @@ inline void widen_chunk(const KT* src, int64_t stride, int64_t n, int64_t d, int
   }
 }
 
+// A score row of len keys: -inf from len up to padded (a multiple of 16), then the row's max.
+inline float padded_row_max(float* row, int64_t len, int64_t padded) {
+  for (int64_t j = len; j < padded; ++j) row[j] = NEG_INF;
+  v16 mx = splat(NEG_INF);
+  for (int64_t i = 0; i < (len + 15) / 16; ++i) {
+    v16 x;
+    std::memcpy(&x, row + i * 16, sizeof(x));
+    mx = x > mx ? x : mx;
+  }
+  return hmax(mx);
+}
+
 // Keys [lo, hi] of `heads` consecutive KV heads for few rows each (decode): fills acc (heads x rows x nv,
 // unnormalised) and l (heads x rows: the softmax sums). q: heads x rows x nv, pre-scaled; kb / vb: the
 // first head's first element in cache row 0 of block 0. Reading every head of a cache row together
@@ -340,14 +352,7 @@ void attend_few_rows(const v16* q, int64_t rows, int64_t heads, int64_t nv, cons
   const int64_t nvec = (len + 15) / 16;
   for (int64_t rr = 0; rr < all; ++rr) {
     float* row = sb + rr * width;
-    for (int64_t j = len; j < nvec * 16; ++j) row[j] = NEG_INF;
-    v16 mx = splat(NEG_INF);
-    for (int64_t i = 0; i < nvec; ++i) {
-      v16 x;
-      std::memcpy(&x, row + i * 16, sizeof(x));
-      mx = x > mx ? x : mx;
-    }
-    const float m = hmax(mx);
+    const float m = padded_row_max(row, len, nvec * 16);
     v16 sum = splat(0.0f);
     for (int64_t i = 0; i < nvec; ++i) {
       v16 x;
@@ -419,17 +424,10 @@ void attend_few_rows_dp(const c10::BFloat16* q, float scale, int64_t rows, int64
   });
   // pass 2: per row, p = exp(s - max), l = sum p, and p rounded to bf16 (zero past len, so key pairs
   // read zeros): PyTorch's CPU flash attention also sums the fp32 weights and multiplies V by bf16 ones
-  const int64_t nvec = (len + 15) / 16, npad = (len + 31) / 32 * 2;
+  const int64_t npad = (len + 31) / 32 * 2;
   for (int64_t rr = 0; rr < all; ++rr) {
     float* row = sb + rr * width;
-    for (int64_t j = len; j < npad * 16; ++j) row[j] = NEG_INF;
-    v16 mx = splat(NEG_INF);
-    for (int64_t i = 0; i < nvec; ++i) {
-      v16 x;
-      std::memcpy(&x, row + i * 16, sizeof(x));
-      mx = x > mx ? x : mx;
-    }
-    const float m = hmax(mx);
+    const float m = padded_row_max(row, len, npad * 16);
     v16 sum = splat(0.0f);
     c10::BFloat16* prow = pbuf.data() + rr * width;
     for (int64_t i = 0; i < npad; i += 2) {

@@ -305,16 +305,12 @@ def model_runner(args: argparse.Namespace):
     from fuseserve.options import from_cli_args
     from fuseserve.worker.profiler import choose_token_budget
     from fuseserve.worker.tensor_parallel import load_runner
-    from fuseserve.worker.torch_thread import bind_cpus, bind_threads, torch_thread
+    from fuseserve.worker.torch_thread import bind_torch_threads, torch_thread
 
     if args.threads:  # OpenMP's thread count is per thread: set it where the model runs
         torch_thread().call(torch.set_num_threads, args.threads)
     config = from_cli_args(EngineConfig, args)  # the engine options the worker offers
-    if config.tensor_parallel_size == 1:  # ranks in processes of their own share the CPUs: none bound
-        threads = torch_thread().call(torch.get_num_threads)
-        bound = bind_threads(bind_cpus(args.cpu_bind, threads))
-        if bound:
-            log.info("torch threads bound to CPUs %s", ",".join(map(str, bound)))
+    bind_torch_threads(args.cpu_bind if config.tensor_parallel_size == 1 else "none")  # TP ranks share CPUs
     source = resolve_model(args.model, quantization=config.quantization)
     runner = load_runner(
         source.path, source.config, source.eos_token_ids(), config, config.tensor_parallel_size, args.threads

@@ -17,6 +17,7 @@ A call from the torch thread itself runs inline, so runner methods may call each
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -125,3 +126,14 @@ def bind_threads(cpus: list[int]) -> list[int]:
     if not cpus or not cpu_stack.available():
         return []
     return torch_thread().call(lambda: list(cpu_stack.load().bind_threads(cpus)))
+
+
+def bind_torch_threads(spec: str) -> list[int]:
+    """``bind_threads(bind_cpus(spec, threads))`` for the torch thread's current thread count: what
+    ``fuseserve worker --cpu-bind spec`` does at start. Returns the CPUs bound (``[]``: none)."""
+    import torch
+
+    bound = bind_threads(bind_cpus(spec, torch_thread().call(torch.get_num_threads)))
+    if bound:
+        logging.getLogger(__name__).info("torch threads bound to CPUs %s", ",".join(map(str, bound)))
+    return bound
