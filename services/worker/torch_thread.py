@@ -107,7 +107,9 @@ def bind_cpus(spec: str, threads: int) -> list[int]:
         raise InvalidParameterError("cpu_bind", spec, "auto, none or CPU ids like 0,1") from None
     if len(set(cpus[:threads])) < threads or not set(cpus) <= set(allowed):
         raise InvalidParameterError(
-            "cpu_bind", spec, f"{threads} ids of this process's CPUs ({','.join(map(str, allowed))})"
+            "cpu_bind",
+            spec,
+            f"{threads} distinct ids among this process's CPUs ({','.join(map(str, allowed))})",
         )
     return cpus[:threads]
 
