@@ -390,7 +390,7 @@ void attend_few_rows_dp(const c10::BFloat16* q, float scale, int64_t rows, int64
                         int64_t lo, int64_t hi, int64_t window, float soft_cap, const int32_t* table,
                         int64_t block_size, const c10::BFloat16* kb, const c10::BFloat16* vb, int64_t block_stride,
                         int64_t tok_stride, std::vector<float>& sbuf, std::vector<c10::BFloat16>& pbuf,
-                        std::vector<__m512i>& vbuf, v16* acc, float* l) {
+                        std::vector<v16i>& vbuf, v16* acc, float* l) {
   constexpr int64_t D = 32 * H;
   const int64_t base = lo / block_size * block_size;  // key of sbuf column 0 (a multiple of 16)
   const int64_t len = hi + 1 - base, width = (len + 31) / 32 * 32 + KC, all = heads * rows;
@@ -446,7 +446,7 @@ void attend_few_rows_dp(const c10::BFloat16* q, float scale, int64_t rows, int64
   // 8L + 4 + i for 128-bit lane L, i < 4) and are put in order at the end. Two accumulator sets (even
   // and odd pairs) halve the chain of dependent vdpbf16ps.
   constexpr int R = 2 * H;  // registers a row: lo and hi per half
-  std::vector<__m512> accp(all * R, _mm512_setzero_ps());
+  std::vector<v16> accp(all * R, splat(0.0f));  // (vectors of the GCC extension: no attribute warnings)
   vbuf.resize(heads * (KC / 2) * R);
   for_each_chunk(base / block_size, hi, block_size, [&](int64_t b, int64_t c0, int64_t j0, int64_t n) {
     const c10::BFloat16* chunk = vb + table[b] * block_stride + c0 * tok_stride;
@@ -454,21 +454,21 @@ void attend_few_rows_dp(const c10::BFloat16* q, float scale, int64_t rows, int64
     for (int64_t hh = 0; hh < heads; ++hh) {
       for (int64_t pr = 0; pr < pairs; ++pr) {
         const c10::BFloat16* v0 = chunk + 2 * pr * tok_stride + hh * D;
-        __m512i* dst = vbuf.data() + (hh * (KC / 2) + pr) * R;
+        v16i* dst = vbuf.data() + (hh * (KC / 2) + pr) * R;
         for (int h = 0; h < H; ++h) {
           const __m512i x = _mm512_loadu_si512(v0 + 32 * h);
           const __m512i y = 2 * pr + 1 < n ? _mm512_loadu_si512(v0 + tok_stride + 32 * h) : _mm512_setzero_si512();
-          dst[2 * h] = _mm512_unpacklo_epi16(x, y);
-          dst[2 * h + 1] = _mm512_unpackhi_epi16(x, y);
+          dst[2 * h] = (v16i)_mm512_unpacklo_epi16(x, y);
+          dst[2 * h + 1] = (v16i)_mm512_unpackhi_epi16(x, y);
         }
       }
     }
     for (int64_t rr = 0; rr < all; ++rr) {
       const c10::BFloat16* prow = pbuf.data() + rr * width + (j0 - base);
-      const __m512i* vh = vbuf.data() + (rr / rows) * (KC / 2) * R;
+      const v16i* vh = vbuf.data() + (rr / rows) * (KC / 2) * R;
       __m512 a0[R], a1[R];
       for (int g = 0; g < R; ++g) {
-        a0[g] = accp[rr * R + g];
+        a0[g] = (__m512)accp[rr * R + g];
         a1[g] = _mm512_setzero_ps();
       }
       auto pair = [&](int64_t pr, __m512* a) {
@@ -483,15 +483,15 @@ void attend_few_rows_dp(const c10::BFloat16* q, float scale, int64_t rows, int64
         pair(pr + 1, a1);
       }
       if (pr < pairs) pair(pr, a0);
-      for (int g = 0; g < R; ++g) accp[rr * R + g] = _mm512_add_ps(a0[g], a1[g]);
+      for (int g = 0; g < R; ++g) accp[rr * R + g] = (v16)_mm512_add_ps(a0[g], a1[g]);
     }
   });
   for (int64_t rr = 0; rr < all; ++rr) {
     float* out = reinterpret_cast<float*>(acc + rr * (D / 16));
     for (int h = 0; h < H; ++h) {
       alignas(64) float lo_v[16], hi_v[16];
-      _mm512_store_ps(lo_v, accp[rr * R + 2 * h]);
-      _mm512_store_ps(hi_v, accp[rr * R + 2 * h + 1]);
+      _mm512_store_ps(lo_v, (__m512)accp[rr * R + 2 * h]);
+      _mm512_store_ps(hi_v, (__m512)accp[rr * R + 2 * h + 1]);
       for (int k = 0; k < 16; ++k) {
         out[32 * h + 8 * (k / 4) + k % 4] = lo_v[k];
         out[32 * h + 8 * (k / 4) + 4 + k % 4] = hi_v[k];
@@ -567,7 +567,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     std::vector<float> sbuf;  // the few-rows path's scores
     std::vector<c10::BFloat16> qb(dot_path ? max_rows * head_dim : 0), pbuf;  // its bf16 queries, weights
 #if defined(__AVX512BF16__)
-    std::vector<__m512i> vbuf;  // its interleaved value pairs
+    std::vector<v16i> vbuf;  // its interleaved value pairs
 #endif
     float* qff = reinterpret_cast<float*>(qf.data());
     auto write_rows = [&](const Item& it, int64_t h, int64_t rows, int64_t heads) {  // out = acc / l
