@@ -156,23 +156,31 @@ def scheduler_argv(options: ServeOptions, redis_url: str) -> list[str]:
 
 def worker_argv(options: ServeOptions, redis_url: str, index: int, worker_id: str | None = None) -> list[str]:
     """The ``fuseserve worker`` command line of worker ``index`` of a local stack: its address, the
-    options it offers (``to_argv``), its torch threads (cores / workers unless ``--threads``) and
+    options it offers (``to_argv``), its torch threads (allowed CPUs / workers unless ``--threads``) and
     the CPUs they are bound to (``worker_cpus``), or with ``--simulate`` its slowdown factor."""
     argv = ["--log-level", options.log_level, "worker", "--redis-url", redis_url]
     argv += ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
     argv += ["--worker-id", worker_id or f"worker-{index}", *to_argv(options, "worker")]
     if options.simulate:
         return argv + ["--simulate-slowdown", str(slowdown_of(options, index))]
-    threads = options.threads or max(1, (os.cpu_count() or 1) // options.workers)
+    threads = options.threads or max(1, len(allowed_cpus()) // options.workers)
     cpus = worker_cpus(options.workers, threads, index)
     return argv + ["--threads", str(threads), "--cpu-bind", ",".join(map(str, cpus)) if cpus else "none"]
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (a container's cpuset, ``taskset``): ``os.sched_getaffinity``,
+    all ``os.cpu_count()`` where that does not exist."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def worker_cpus(workers: int, threads: int, index: int) -> list[int]:
     """The CPUs worker ``index`` of ``workers`` binds its ``threads`` torch threads to: its own slice of
     this process's CPUs (``os.sched_getaffinity``) when every worker's threads fit on CPUs of their
     own, else none (threads outnumbering the CPUs are left to the kernel to place)."""
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    allowed = allowed_cpus()
     if workers * threads > len(allowed):
         return []
     return allowed[index * threads : (index + 1) * threads]

@@ -27,7 +27,7 @@ class ServeOptions:
 
     model: alias, directory, .gguf file or Hugging Face Hub id. engine: the scheduler's and the
     workers' knobs. served_model_name, max_model_len, chat_template, tokenizer: the gateway's front
-    end. workers, schedulers: processes; threads: torch threads per worker (None: cores / workers).
+    end. workers, schedulers: processes; threads: torch threads per worker (None: allowed CPUs / workers).
     host, port: the gateway's. simulate, simulate_slowdown: simulated workers
     (``services/worker/sim_runner.py``) and their factors, cycled over the workers. drain_timeout:
     seconds the children get to finish on SIGTERM. lease_ttl: seconds a scheduler's worker leases live
@@ -82,7 +82,9 @@ class ServeOptions:
         help_for={"gateway": "bind port (default: %(default)s)"},
     )
     threads: int | None = option(
-        None, "torch threads per worker (default: cores / workers)", commands=("serve",)
+        None,
+        "torch threads per worker (default: the CPUs this process may use / workers)",
+        commands=("serve",),
     )
     simulate: str | None = option(
         None,

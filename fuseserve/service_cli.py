@@ -137,6 +137,13 @@ def _scheduler_parser(sub) -> None:
     c.set_defaults(func=_scheduler)
 
 
+def _threads(text: str) -> int:
+    """``--threads``: an integer >= 0 (argparse reports anything else as one line)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0 (0: torch's choice)")
+    return int(text)
+
+
 def _worker_parser(sub) -> None:
     w = sub.add_parser("worker", help="a model worker (gRPC), registers itself in Redis")
     _redis(w)
@@ -145,7 +152,9 @@ def _worker_parser(sub) -> None:
     w.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: 50051)")
     w.add_argument("--advertise-host", default=None, help="host name the scheduler dials (default: --host)")
     w.add_argument("--worker-id", default=None, help="registry id (default: hostname + random suffix)")
-    w.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    w.add_argument(
+        "--threads", type=_threads, default=None, help="torch CPU threads (default, or 0: torch's choice)"
+    )
     w.add_argument(
         "--cpu-bind",
         default="auto",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -101,10 +102,9 @@ def bind_cpus(spec: str, threads: int) -> list[int]:
     allowed = sorted(os.sched_getaffinity(0))
     if spec == "auto":
         return allowed if len(allowed) == threads else []
-    try:
-        cpus = [int(c) for c in spec.split(",")]
-    except ValueError:
-        raise InvalidParameterError("cpu_bind", spec, "auto, none or CPU ids like 0,1") from None
+    if not re.fullmatch(r"[0-9]+(,[0-9]+)*", spec):
+        raise InvalidParameterError("cpu_bind", spec, "auto, none or CPU ids like 0,1")
+    cpus = [int(c) for c in spec.split(",")]
     if len(set(cpus[:threads])) < threads or not set(cpus) <= set(allowed):
         raise InvalidParameterError(
             "cpu_bind",

@@ -220,7 +220,7 @@ def test_serve_builds_simulated_worker_command_lines():
     assert all(line[line.index("--metrics-port") + 1] == "0" for line in lines)
     real = worker_argv(serve_args(workers=2), "redis://x", 0)
     assert "--simulate" not in real and real[real.index("--threads") + 1] == str(
-        max(1, (os.cpu_count() or 1) // 2)
+        max(1, len(os.sched_getaffinity(0)) // 2)
     )
     for bad in ("0", "x", "1,-2"):
         with pytest.raises(InvalidParameterError):

@@ -22,7 +22,7 @@ def test_bind_cpus_auto_none_and_lists():
     assert bind_cpus("auto", len(ALLOWED)) == ALLOWED  # the worker owns every CPU it may run on
     assert bind_cpus("auto", len(ALLOWED) + 1) == []  # more threads than CPUs: the kernel places them
     assert bind_cpus(",".join(map(str, ALLOWED)), 1) == ALLOWED[:1]
-    for bad in ("x", "0,,1", str(max(ALLOWED) + 1)):
+    for bad in ("x", "0,,1", "0_1", " 1", "-1", str(max(ALLOWED) + 1)):
         with pytest.raises(InvalidParameterError):
             bind_cpus(bad, 1)
     for short in (str(ALLOWED[0]), f"{ALLOWED[0]},{ALLOWED[0]}"):  # fewer distinct CPUs than threads
@@ -30,7 +30,7 @@ def test_bind_cpus_auto_none_and_lists():
             bind_cpus(short, 2)
 
 
-def test_serve_gives_each_worker_its_own_cpus():
+def test_serve_gives_each_worker_its_own_cpus(monkeypatch):
     n = len(ALLOWED)
     assert worker_cpus(1, n, 0) == ALLOWED
     assert [worker_cpus(n, 1, i) for i in range(n)] == [[c] for c in ALLOWED]
@@ -39,6 +39,10 @@ def test_serve_gives_each_worker_its_own_cpus():
     assert line[line.index("--cpu-bind") + 1] == ",".join(map(str, ALLOWED))
     line = worker_argv(serve_args(workers=1, threads=n + 1), "redis://x", 0)
     assert line[line.index("--cpu-bind") + 1] == "none"
+    # in a cpuset (taskset, a container) smaller than the machine: threads and CPUs from the cpuset
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {ALLOWED[-1]})
+    line = worker_argv(serve_args(workers=1), "redis://x", 0)
+    assert line[line.index("--threads") + 1] == "1" and line[line.index("--cpu-bind") + 1] == str(ALLOWED[-1])
 
 
 BIND = """
