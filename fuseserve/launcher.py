@@ -34,6 +34,7 @@ from fuseserve.options import to_argv, to_env
 from fuseserve.parent_death import PARENT_PID_ENV
 from fuseserve.redis_launcher import REDIS_PASSWORD_ENV, launch_redis
 from fuseserve.serve_options import ServeOptions
+from fuseserve.worker.torch_thread import allowed_cpus
 
 READY_TIMEOUT_S = 600.0
 MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before the stack gives up
@@ -168,17 +169,9 @@ def worker_argv(options: ServeOptions, redis_url: str, index: int, worker_id: st
     return argv + ["--threads", str(threads), "--cpu-bind", ",".join(map(str, cpus)) if cpus else "none"]
 
 
-def allowed_cpus() -> list[int]:
-    """The CPUs this process may run on (a container's cpuset, ``taskset``): ``os.sched_getaffinity``,
-    all ``os.cpu_count()`` where that does not exist."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 def worker_cpus(workers: int, threads: int, index: int) -> list[int]:
     """The CPUs worker ``index`` of ``workers`` binds its ``threads`` torch threads to: its own slice of
-    this process's CPUs (``os.sched_getaffinity``) when every worker's threads fit on CPUs of their
+    this process's CPUs (``allowed_cpus``) when every worker's threads fit on CPUs of their
     own, else none (threads outnumbering the CPUs are left to the kernel to place)."""
     allowed = allowed_cpus()
     if workers * threads > len(allowed):

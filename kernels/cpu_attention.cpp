@@ -381,7 +381,7 @@ void attend_few_rows(const v16* q, int64_t rows, int64_t heads, int64_t nv, cons
 // products exact), read straight from the cache without widening each key and value to fp32. q: the
 // rows' unscaled bf16 queries, heads x rows x head_dim; scores are q.k * scale. P goes to bf16 for
 // P.V (as flash-attention kernels do; l sums the fp32 weights). Fills acc (fp32, head_dim in
-// order, H / 2 vectors a row) and l as attend_few_rows does. pbuf, vbuf: scratch, resized here.
+// order, 2 H vectors a row) and l as attend_few_rows does. pbuf, vbuf: scratch, resized here.
 constexpr bool kBf16Dot = true;
 constexpr int64_t kMaxDotHalves = 4;  // head_dim up to 128
 

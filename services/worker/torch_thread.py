@@ -88,18 +88,26 @@ def on_torch_thread(build: Callable[..., Any], *args: Any, **kwargs: Any) -> OnT
     return OnTorchThread(thread.call(build, *args, **kwargs), thread)
 
 
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (a container's cpuset, ``taskset``): ``os.sched_getaffinity``,
+    all ``os.cpu_count()`` where that does not exist."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def bind_cpus(spec: str, threads: int) -> list[int]:
     """The CPUs the torch thread's ``threads`` intra-op threads are bound to, one each, for ``--cpu-bind
     spec``: ``none`` → ``[]``; a comma-separated list of CPU ids → its first ``threads``; ``auto`` →
-    this process's allowed CPUs (``os.sched_getaffinity``) when there are exactly ``threads`` of them
+    this process's allowed CPUs (``allowed_cpus``) when there are exactly ``threads`` of them
     (the worker owns them: a container's cpuset, or a local stack's share), else ``[]``.
 
     Raises ``InvalidParameterError`` for a list that is not ids of allowed CPUs, or has fewer than
     ``threads`` distinct ones.
     """
-    if spec == "none" or not hasattr(os, "sched_getaffinity"):  # Linux only
+    if spec == "none" or not hasattr(os, "sched_getaffinity"):  # binding is Linux only
         return []
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = allowed_cpus()
     if spec == "auto":
         return allowed if len(allowed) == threads else []
     if not re.fullmatch(r"[0-9]+(,[0-9]+)*", spec):
