@@ -3,6 +3,8 @@
     python -m benchmarks.gpu_check env        OUT                # versions, GPU, which backends can run
     python -m benchmarks.gpu_check model      OUT SHAPE [workload]  # parity with transformers, pass times
                                                                   # per backend [, the paper's workload]
+    python -m benchmarks.gpu_check graphs     OUT SHAPE [workload]  # CUDA graphs: capture, parity, pass
+                                                                  # times replayed vs eager [, workload]
     python -m benchmarks.gpu_check attention  OUT [tiny]         # attention-only timings and errors
 
 SHAPE is ``smollm2`` (LLaMA, 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152) or ``llama2-7b``
@@ -354,6 +356,46 @@ def step_compiled(out: Path, shape: str, root: Path) -> None:
         pipe.close()
 
 
+def step_graphs(out: Path, shape: str, root: Path, workload: bool = False) -> None:
+    """CUDA graphs (``--cuda-graphs``, on by default on CUDA; ``services/worker/cuda_graphs.py``): capture
+    seconds at start, greedy parity with transformers replaying them (Triton attention, block size 16),
+    pass times replayed and eager on the same pipeline; with ``workload``, the paper's workload both
+    ways (token budget ``$GPU_CHECK_TOKEN_BUDGET``, graphs captured up to it)."""
+    from fuseserve.worker.profiler import measure_curve
+
+    path, prompts, ref = reference(shape, root)
+    kv_memory = "40GiB" if shape == "llama2-7b" else "2GiB" if device().type == "cuda" else "64MiB"
+    tiny = shape == "tiny"
+    budget = (
+        int(os.environ.get("GPU_CHECK_TOKEN_BUDGET", 2048 if not tiny else 32))
+        if workload
+        else budget_for(shape)
+    )
+    pipe = open_pipeline(path, block_size=16, token_budget=budget, kv_memory=kv_memory, backend="triton")
+    try:
+        runner = pipe.runner
+        graphs = runner.graphs
+        results, wall = greedy_parity(pipe, prompts, ref, new_tokens_for(shape))
+        record(out, step="graphs", shape=shape, captured=graphs is not None, token_budget=budget,
+               capture_s=graphs.capture_s if graphs else None, buckets=len(graphs.buckets) if graphs else 0,
+               ok=graphs is not None and all(r["ok"] for r in results), seconds=wall, per_prompt=results)  # fmt: skip
+        sizes = tuple(n for n in (1, 16, 256, 2048) if n <= budget) if not tiny else (1, 16)
+        curves = {}
+        for label, g in (("graphs", graphs), ("eager", None)):
+            runner.graphs = g
+            curves[label] = measure_curve(runner, sizes=sizes, repeats=5)
+        runner.graphs = graphs
+        record(out, step="graphs_pass", shape=shape, seconds_per_pass=curves,
+               speedup={n: curves["eager"][n] / curves["graphs"][n] for n in sizes})  # fmt: skip
+        if workload:
+            for label, g in (("graphs", graphs), ("eager", None)):
+                runner.graphs = g
+                step_workload(out, shape, pipe, graphs=label)
+            runner.graphs = graphs
+    finally:
+        pipe.close()
+
+
 # ------------------------------------------------------------------------------------------ attention
 
 
@@ -517,10 +559,10 @@ def bench_pass(out: Path, label: str, p: dict) -> None:
 # ------------------------------------------------------------------------------------------ workload
 
 
-def step_workload(out: Path, shape: str, pipe) -> None:
+def step_workload(out: Path, shape: str, pipe, **label) -> None:
     """The paper's closed-loop benchmark through the pipeline ``pipe``: normal prompt/output lengths
     (std 0.3 x mean, the paper's 2600/60 shape), clients 1, 4, 16; random prompt ids (the model is
-    random). Token budget ``$GPU_CHECK_TOKEN_BUDGET`` (default 2048)."""
+    random). Token budget ``$GPU_CHECK_TOKEN_BUDGET`` (default 2048); ``label``: fields added to each record."""
     import asyncio
 
     import numpy as np
@@ -553,7 +595,7 @@ def step_workload(out: Path, shape: str, pipe) -> None:
         rec = summarize(res.traces, res.wall_seconds, sla)
         record(out, step="workload", shape=shape, backend=backend, clients=n, requests=num,
                workload=f"{prompt_mean}/{output_mean}", token_budget=budget, flops_per_token=flops,
-               **rec)  # fmt: skip
+               **label, **rec)  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -566,10 +608,12 @@ def main(argv: list[str]) -> int:
         step_model(out, argv[2], root, workload=len(argv) > 3 and argv[3] == "workload")
     elif step == "compiled":
         step_compiled(out, argv[2], root)
+    elif step == "graphs":
+        step_graphs(out, argv[2], root, workload=len(argv) > 3 and argv[3] == "workload")
     elif step == "attention":
         step_attention(out, tiny=len(argv) > 2 and argv[2] == "tiny")
     else:
-        raise SystemExit(f"unknown step {step!r}: env, model, compiled, attention")
+        raise SystemExit(f"unknown step {step!r}: env, model, compiled, graphs, attention")
     return 0
 
 

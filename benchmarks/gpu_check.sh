@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one script, about 10 minutes on one H200 (two device calls), results in one folder.
+# The prepared GPU check: one script, about 15 minutes on one H200 (three device calls), results in one folder.
 #
 #   benchmarks/gpu_check.sh                 on the GPU machine, from anywhere (it cds to the repository)
 #   benchmarks/gpu_check.sh --dry-run       on a CPU machine: tiny shapes, interpreted Triton (checks the script)
@@ -12,7 +12,8 @@
 #   <step>.log       each step's output; kernel_tests.xml (JUnit) when pytest is there
 #
 # GPU_CHECK_STEPS=env,kernels,... runs only the steps named (one device call runs at most 600 s: the
-# whole check is two calls, e.g. env,kernels,smollm2,compiled,attention then llama2-7b,int4-7b).
+# whole check is two or three calls, e.g. env,graphs,graphs-7b then kernels,smollm2,compiled,attention
+# then llama2-7b,int4-7b).
 #
 # Steps (each under its own time limit, so a slow one cannot eat the others' time):
 #   env          versions, GPU, which attention backends can run here
@@ -22,6 +23,9 @@
 #                compiled on the GPU (not interpreted); needs pytest (carried as wheels if absent)
 #   smollm2      SmolLM2-shaped random model: bf16 greedy parity with transformers, pass times per backend
 #   compiled     the same model with the compiled forward (--compile): compile seconds, parity, pass times
+#   graphs       the same model with CUDA graphs (on by default): capture seconds, parity replaying them,
+#                pass times replayed vs eager (1 / 16 / 256 tokens)
+#   graphs-7b    the same on the Llama-2-7B shape, token budget 2048, then the paper's workload both ways
 #   attention    attention-only time per pass and error vs the torch reference, both shapes, every backend
 #                (torch, Triton, flash-attn if installed, PyTorch FlexAttention as a peer)
 #   llama2-7b    Llama-2-7B-shaped random model: parity, pass times, then the paper's workload through
@@ -117,10 +121,11 @@ if [ "$MODE" = dry ]; then
     tests/unit/test_flash_attn_kernel.py tests/unit/test_fp8_kv_cache.py tests/unit/test_lora_kernels.py --junitxml="$OUT/kernel_tests.xml"
   run tiny 300 "${CHECK[@]}" model "$OUT" tiny workload
   run compiled 300 "${CHECK[@]}" compiled "$OUT" tiny
+  run graphs 300 "${CHECK[@]}" graphs "$OUT" tiny workload
   run attention 120 "${CHECK[@]}" attention "$OUT" tiny
   run int4 180 "$PY" -m benchmarks.gpu_check_quant "$OUT" tiny
 else
-  # time limits add up to 705 s: over one device call's 600 s, so a call runs a part (GPU_CHECK_STEPS)
+  # time limits add up to 1125 s: over one device call's 600 s, so a call runs a part (GPU_CHECK_STEPS)
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
   run env 20 "${CHECK[@]}" env "$OUT"
   if PYTHONPATH=$TEST_PATH "$PY" -c "import pytest" 2>/dev/null; then
@@ -133,6 +138,8 @@ else
   fi
   run smollm2 90 "${CHECK[@]}" model "$OUT" smollm2
   run compiled 90 "${CHECK[@]}" compiled "$OUT" smollm2
+  run graphs 120 "${CHECK[@]}" graphs "$OUT" smollm2
+  run graphs-7b 300 "${CHECK[@]}" graphs "$OUT" llama2-7b workload
   run attention 50 "${CHECK[@]}" attention "$OUT"
   run llama2-7b 95 "${CHECK[@]}" model "$OUT" llama2-7b workload
   run int4-7b 240 "$PY" -m benchmarks.gpu_check_quant "$OUT" llama2-7b

@@ -77,7 +77,9 @@ def step_int4(out: Path, shape: str, root: Path) -> None:
         gc.log(f"{label}: loaded in {time.perf_counter() - t0:.1f} s")
     try:
         pipe = pipes["int4"]
-        for backend in ("auto", "torch"):  # the torch reference attention tells the GEMM apart from attention
+        # the torch reference attention tells the GEMM apart from attention; auto last: the decode rates
+        # below run on it (with its CUDA graphs), as the bf16 pipeline does
+        for backend in ("torch", "auto"):
             pipe.runner.use_backend(get_backend(backend, pipe.runner.device, block_size=pipe.runner.block_size,
                                                 dtype=torch.bfloat16))  # fmt: skip
             results, wall = gc.greedy_parity(pipe, prompts, ref, new_tokens)
@@ -92,6 +94,8 @@ def step_int4(out: Path, shape: str, root: Path) -> None:
                 rates[label][batch] = decode_rate(p, gen, batch, 32 if shape != "tiny" else 8)
         gc.record(out, step="int4_decode", shape=shape, tokens_per_s=rates,
                   int4_over_bf16={b: rates["int4"][b] / rates["bf16"][b] for b in (1, 16)},
+                  attention={k: p.runner.backend.name for k, p in pipes.items()},
+                  cuda_graphs={k: p.runner.graphs is not None for k, p in pipes.items()},
                   weight_mib={k: weight_bytes(p.runner.model) / 2**20 for k, p in pipes.items()})  # fmt: skip
     finally:
         for p in pipes.values():

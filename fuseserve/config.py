@@ -79,6 +79,8 @@ class EngineConfig:
         the workers whose load is near the least (``Scheduler.place``); False: by load only.
     compile: compile the model's forward with ``torch.compile`` (``services/worker/compiled_forward.py``);
         flag ``--compile``; off by default (not yet measured faster than eager on SmolLM2).
+    cuda_graphs: on CUDA, capture the forward as CUDA graphs, one per token-count bucket, and replay
+        them (``services/worker/cuda_graphs.py``); flag ``--no-cuda-graphs``; no effect on CPU.
     quantization: one of ``QUANTIZATIONS`` or None (a GGUF file dequantized to float32).
     kv_cache_dtype: one of ``KV_CACHE_DTYPES``; ``fp8``: 2x the blocks of bf16 in the same memory.
     lora_modules: LoRA adapters served, ``NAME=PATH`` entries (keyword: also a dict name → path);
@@ -215,6 +217,12 @@ class EngineConfig:
         False,
         "compile the model's forward with torch.compile at start (cached across restarts, attention "
         "left as its own kernel); off by default until it is measured faster than eager on SmolLM2",
+        commands=_RUNNER,
+    )
+    cuda_graphs: bool = option(
+        True,
+        "launch every kernel of each pass eagerly on CUDA (default: replay CUDA graphs captured at "
+        "start per token-count bucket, Triton attention; no effect on CPU)",
         commands=_RUNNER,
     )
     lora_modules: list[str] | None = option(

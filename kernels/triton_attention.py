@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fuseserve.kernels import kv_quant
@@ -22,7 +23,15 @@ from fuseserve.kernels.triton_attention_kernel import _merge_splits_kernel, _pag
 from fuseserve.kernels.triton_kv_write import check_cache, last_contiguous, write_kv
 from fuseserve.kernels.triton_runtime import INTERPRETED, triton
 
-__all__ = ["TritonAttentionPlan", "choose_num_splits", "paged_attention", "plan_attention", "write_kv"]
+__all__ = [
+    "TritonAttentionPlan",
+    "choose_num_splits",
+    "choose_tiling",
+    "paged_attention",
+    "plan_attention",
+    "static_plan",
+    "write_kv",
+]
 
 
 @dataclass
@@ -31,34 +40,48 @@ class TritonAttentionPlan:
 
     slot_mapping: ``[T]`` int64 KV slot of each token. cu_seqlens_q: ``[S+1]`` int32.
     context_lens: ``[S]`` int32 context length of each sequence after this pass.
-    block_tables: ``[S, max_blocks]`` int32. query_lens: the chunk lengths (host list).
+    block_tables: ``[S, max_blocks]`` int32. query_lens: the chunk lengths (host list; None in a
+    ``static_plan``, whose query blocks are given).
     num_splits: split-KV parts (None: chosen per launch from the grid size and the longest context).
+    max_query_len: the longest chunk (1: a decode-only pass, tiled for it).
     """
 
     slot_mapping: torch.Tensor
     cu_seqlens_q: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor
-    query_lens: list[int]
+    query_lens: list[int] | None
     max_context_len: int
     block_size: int
     num_splits: int | None = None
+    max_query_len: int = 1
     _query_blocks: dict = field(default_factory=dict)  # BLOCK_Q → (qb_seq, qb_start)
 
     def query_blocks(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(qb_seq, qb_start)`` ``[NQB]`` int32: sequence and in-chunk start of each query block."""
         if block_q not in self._query_blocks:
-            seq, start = [], []
-            for i, q_len in enumerate(self.query_lens):
-                for s in range(0, q_len, block_q):
-                    seq.append(i)
-                    start.append(s)
+            if self.query_lens is None:
+                raise ValueError(
+                    f"a static plan has query blocks of {list(self._query_blocks)} tokens, not {block_q}"
+                )
+            seq, start = query_blocks(self.query_lens, block_q)
             dev = self.slot_mapping.device
             self._query_blocks[block_q] = (
-                torch.tensor(seq, dtype=torch.int32, device=dev),
-                torch.tensor(start, dtype=torch.int32, device=dev),
+                torch.from_numpy(seq).to(dev, non_blocking=True),
+                torch.from_numpy(start).to(dev, non_blocking=True),
             )
         return self._query_blocks[block_q]
+
+
+def query_blocks(query_lens: list[int], block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(qb_seq, qb_start)`` int32 arrays ``[NQB]``: chunk ``i`` of ``query_lens[i]`` tokens is cut into
+    ``ceil(query_lens[i] / block_q)`` query blocks; each block's chunk and first token within it."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    per_chunk = -(-lens // block_q)
+    seq = np.repeat(np.arange(len(lens), dtype=np.int32), per_chunk)
+    first = np.cumsum(per_chunk) - per_chunk  # each chunk's first block
+    start = ((np.arange(len(seq)) - np.repeat(first, per_chunk)) * block_q).astype(np.int32)
+    return seq, start
 
 
 def plan_attention(
@@ -81,6 +104,38 @@ def plan_attention(
         max_context_len=max(context_lens, default=0),
         block_size=block_size,
         num_splits=num_splits,
+        max_query_len=max(query_lens, default=0),
+    )
+
+
+def static_plan(
+    slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    qb_seq: torch.Tensor,
+    qb_start: torch.Tensor,
+    tiling: Tiling,
+    block_size: int,
+    num_splits: int,
+    max_query_len: int,
+) -> TritonAttentionPlan:
+    """A plan over fixed buffers, for a launch captured once and replayed (``cuda_graphs.py``): every
+    launch reads the same tensors, with query blocks ``qb_seq / qb_start`` for ``tiling.block_q``,
+    ``num_splits`` split-KV parts and the tiling of passes whose longest chunk is ``max_query_len``.
+    The caller refills the buffers before each replay; query blocks past the pass's own point at a
+    sequence of no tokens and context 0 (their programs do nothing)."""
+    return TritonAttentionPlan(
+        slot_mapping=slot_mapping,
+        cu_seqlens_q=cu_seqlens_q,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        query_lens=None,
+        max_context_len=0,
+        block_size=block_size,
+        num_splits=num_splits,
+        max_query_len=max_query_len,
+        _query_blocks={tiling.block_q: (qb_seq, qb_start)},
     )
 
 
@@ -121,16 +176,14 @@ class Tiling:
     d_pad: int  # head dim padded to a power of two, at least 16
 
 
-def choose_tiling(q: torch.Tensor, k_cache: torch.Tensor, plan: TritonAttentionPlan) -> Tiling:
-    """Tile sizes for ``q [T, H, D]`` over ``k_cache [num_blocks, block_size, KVH, D]``: at least 16
-    rows per program (``tl.dot``'s minimum), more when the pass has a prefill chunk; one page per tile
-    (at least 16 keys interpreted, 32 compiled)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // k_cache.shape[2]
+def choose_tiling(num_heads: int, head_dim: int, kv_heads: int, page: int, max_query_len: int) -> Tiling:
+    """Tile sizes for queries of ``num_heads x head_dim`` over a cache of ``kv_heads`` heads in pages
+    of ``page`` slots: at least 16 rows per program (``tl.dot``'s minimum), more when the pass has a
+    prefill chunk (``max_query_len > 1``); one page per tile (at least 16 keys interpreted, 32 compiled)."""
+    group = num_heads // kv_heads
     block_m = max(16, triton.next_power_of_2(group))
-    if max(plan.query_lens) > 1:
+    if max_query_len > 1:
         block_m = max(block_m, 64 if not INTERPRETED else 32)
-    page = k_cache.shape[1]
     block_n = max(page, 16) if INTERPRETED else max(page, 32)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     return Tiling(group=group, block_m=block_m, block_q=block_m // group, block_n=block_n, d_pad=d_pad)
@@ -170,7 +223,7 @@ def paged_attention(
     if fp8:  # raw e4m3 bytes, decoded in the kernel (triton_fp8); K scale folded into the softmax scale
         scale = scale * k_scale
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    tiles = choose_tiling(q, k_cache, plan)
+    tiles = choose_tiling(num_heads, head_dim, kvh, k_cache.shape[1], plan.max_query_len)
     num_programs = plan.query_blocks(tiles.block_q)[0].shape[0] * kvh
     splits = plan.num_splits or choose_num_splits(num_programs, plan.max_context_len, tiles.block_n, q.device)
     part_acc, part_ml = _split_partials(out, splits, tiles.d_pad)

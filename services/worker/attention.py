@@ -133,6 +133,14 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         _CONTEXT.reset(token)
 
 
+def current_context() -> ForwardContext:
+    """The ``ForwardContext`` of the pass being run; ``RuntimeError`` outside ``forward_context``."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError("no forward_context is open")
+    return ctx
+
+
 def pass_memo() -> dict | None:
     """A dict that lives for the pass being run (``ForwardContext.memo``): what every layer would
     otherwise compute again from the same inputs (the rotary cos / sin of the pass's positions); None

@@ -24,6 +24,7 @@ from fuseserve.types import PromptLogprobs, SampledToken, SeqChunk, StepPlan, St
 from fuseserve.worker import compiled_forward, kv_migration, parallel, prepacked_linear, quantization
 from fuseserve.worker.attention import AttentionBackend, ForwardContext, forward_context, get_backend
 from fuseserve.worker.compiled_forward import CompiledForward
+from fuseserve.worker.cuda_graphs import build_cuda_graphs
 from fuseserve.worker.kv_cache import KVCache, bytes_per_block
 from fuseserve.worker.latency_model import PROFILE_SIZES
 from fuseserve.worker.layer_stack import LayerStack
@@ -86,6 +87,7 @@ class ModelRunner:
         self.compile_s = 0.0  # seconds the warm-up compilation took (0 without compilation)
         if compiled_forward.wanted(self.config.compile) and parallel.world()[1] == 1:
             self._compile(progress)
+        self.graphs = build_cuda_graphs(self, progress)  # None off CUDA (and where graphs do not apply)
         self.layer_stack = self._layer_stack()
         num_blocks = self.kv_cache.num_blocks
         self.seq_table = SeqTable(
@@ -213,9 +215,10 @@ class ModelRunner:
     def use_backend(self, backend) -> None:
         """Run the next passes with ``backend`` (an ``AttentionBackend`` for this device: benchmarks swap
         them on one loaded model); the CPU layer stack is built again for it (None where it does not take
-        that backend's metadata)."""
+        that backend's metadata), and the CUDA graphs captured again."""
         self.backend = backend
         self.layer_stack = self._layer_stack()
+        self.graphs = build_cuda_graphs(self, progress=False)  # captured again for this backend
 
     # ----- lifecycle -----
     def close(self) -> None:
@@ -289,11 +292,13 @@ class ModelRunner:
         logprobs of this pass go to ``self._scored``."""
         ctx = ForwardContext(self.backend, metadata, self.kv_cache, lora=batch.lora)
         with forward_context(ctx):
-            if self.compiled is not None:
+            hidden = self.graphs.run(batch) if self.graphs is not None else None  # None: eager
+            stack = self.layer_stack
+            if hidden is None and self.compiled is not None:
                 hidden = self.compiled(batch.input_ids, batch.positions, ctx)
-            elif self.layer_stack is not None and self.layer_stack.accepts(batch, metadata):
-                hidden = self.layer_stack(batch.input_ids, batch.positions, metadata)
-            else:
+            elif hidden is None and stack is not None and stack.accepts(batch, metadata):
+                hidden = stack(batch.input_ids, batch.positions, metadata)
+            elif hidden is None:
                 hidden = self.model(batch.input_ids, batch.positions)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             self._scored = self.scorer.score(hidden, self.model.compute_logits, self._score_rows)
