@@ -22,11 +22,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from fuseserve.kernels import triton_attention
 from fuseserve.worker.attention import (
     ForwardContext,
     TritonAttentionBackend,
@@ -35,6 +35,9 @@ from fuseserve.worker.attention import (
 )
 from fuseserve.worker.kv_cache import KVCache
 from fuseserve.worker.ragged_batch import RaggedBatch
+
+if TYPE_CHECKING:
+    from fuseserve.kernels.triton_attention import TritonAttentionPlan
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,9 @@ class CudaGraphs:
         capture: Capture | None = None,
         progress: bool = False,
     ):
+        from fuseserve.kernels import triton_attention  # imports Triton: CPU-only installs may lack it
+
+        self._kernels = triton_attention
         num_heads, head_dim = shape
         dev = kv_cache.k[0].device
         max_seqs = min(max_seqs, max_tokens)
@@ -180,14 +186,14 @@ class CudaGraphs:
         block_q = self.tiling[False].block_q
         return Bucket(tokens, seqs, min(tokens, seqs + -(-tokens // block_q)), False)
 
-    def _plan(self, b: Bucket, block_size: int, max_context: int) -> triton_attention.TritonAttentionPlan:
+    def _plan(self, b: Bucket, block_size: int, max_context: int) -> TritonAttentionPlan:
         """Bucket ``b``'s attention plan over the static buffers, split-KV parts fixed for its grid and
         the longest context."""
         tiling = self.tiling[b.decode]
-        splits = triton_attention.choose_num_splits(
+        splits = self._kernels.choose_num_splits(
             b.query_blocks * self._kv_heads, max_context, tiling.block_n, self.input_ids.device
         )
-        return triton_attention.static_plan(
+        return self._kernels.static_plan(
             self.slot_mapping[: b.tokens],
             self.cu_seqlens_q[: b.seqs + 2],
             self.context_lens[: b.seqs + 1],
@@ -235,7 +241,7 @@ class CudaGraphs:
         self.slot_mapping[n : b.tokens].fill_(-1)
         self.cu_seqlens_q[s + 1 : b.seqs + 2].fill_(n)
         self.context_lens[s : b.seqs + 1].fill_(0)
-        qb_seq, qb_start = triton_attention.query_blocks(query_lens, self.tiling[b.decode].block_q)
+        qb_seq, qb_start = self._kernels.query_blocks(query_lens, self.tiling[b.decode].block_q)
         blocks = np.zeros((2, b.query_blocks), dtype=np.int32)
         blocks[0] = b.seqs
         blocks[0, : len(qb_seq)], blocks[1, : len(qb_start)] = qb_seq, qb_start

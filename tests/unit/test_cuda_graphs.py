@@ -10,14 +10,15 @@ eager forward's on the same batch.
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_driver import _chunk, with_blocks
-
-from fuseserve.kernels.triton_attention import query_blocks
-from fuseserve.types import StepPlan
-from fuseserve.worker.cuda_graphs import CudaGraphs, build_cuda_graphs, decode_sizes, mixed_sizes
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
+
+import torch  # noqa: E402
+from engine_driver import _chunk, with_blocks  # noqa: E402
+
+from fuseserve.kernels.triton_attention import query_blocks  # noqa: E402
+from fuseserve.types import StepPlan  # noqa: E402
+from fuseserve.worker.cuda_graphs import CudaGraphs, build_cuda_graphs, decode_sizes, mixed_sizes  # noqa: E402
 
 
 def test_bucket_sizes():
