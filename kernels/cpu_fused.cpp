@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "cpu_vec.h"
 
@@ -193,6 +194,56 @@ void add_rms_norm(const at::Tensor& out, const at::Tensor& sum, const at::Tensor
   FUSED_DISPATCH(x.scalar_type(), rms_norm_rows<scalar>(out, &sum, x, &residual, weight, eps, unit_offset));
 }
 
+template <typename T>
+void argmax_rows(const at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = x.size(1), sx = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = xp + i * sx;
+      // per lane: the largest value seen and the first index holding it; NaN counts as the largest
+      // (torch.max propagates it: the first NaN's index)
+      v16 best = splat(-std::numeric_limits<float>::infinity());
+      v16i at = {}, nan = {};
+      v16i idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      for_each_16(n, [&](int64_t j, int64_t m) {
+        v16 v = load(row + j, m);
+        if (m < 16) {
+          for (int64_t k = m; k < 16; ++k) v[k] = -std::numeric_limits<float>::infinity();
+        }
+        nan |= v != v;
+        const v16i take = v > best;
+        best = take ? v : best;
+        at = take ? idx : at;
+        idx += 16;
+      });
+      bool any_nan = false;
+      for (int k = 0; k < 16; ++k) any_nan |= nan[k] != 0;
+      int64_t pick = -1;
+      if (any_nan) {
+        for (int64_t j = 0; j < n && pick < 0; ++j) pick = std::isnan(static_cast<float>(row[j])) ? j : -1;
+      } else {
+        float m = best[0];
+        for (int k = 1; k < 16; ++k) m = std::max(m, best[k]);
+        for (int k = 0; k < 16; ++k) {
+          if (best[k] == m && (pick < 0 || at[k] < pick)) pick = at[k];
+        }
+        if (pick < 0) pick = 0;  // every value -inf: the first
+      }
+      op[i] = pick;
+    }
+  });
+}
+
+// out [rows] int64 = the first index of each row's largest value of x [rows, n] (torch.max(x, -1).indices).
+void argmax(const at::Tensor& out, const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.dim() == 1 && out.size(0) == x.size(0) &&
+                  x.size(1) > 0, "out must be contiguous int64 [rows], x [rows, n > 0]");
+  FUSED_DISPATCH(x.scalar_type(), argmax_rows<scalar>(out, x));
+}
+
 // out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:].
 void silu_mul(const at::Tensor& out, const at::Tensor& gate_up) {
   check_rows(out, "out");
@@ -229,6 +280,7 @@ TORCH_LIBRARY(fuseserve_fused, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps, "
         "bool unit_offset) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("argmax(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
 }
 
@@ -236,5 +288,6 @@ TORCH_LIBRARY_IMPL(fuseserve_fused, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("argmax", argmax);
   m.impl("rotary", rotary);
 }

@@ -82,6 +82,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value of ``x [S, V]`` → int64 ``[S]``, as
+    ``x.max(dim=-1).indices`` (NaN counts as the largest), rows in parallel."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    load().argmax(out, x)
+    return out
+
+
 def rotary_(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> None:

@@ -139,3 +139,41 @@ def test_usable_refuses_what_the_operators_do_not_take():
     assert cpu_fused.usable(x) and cpu_fused.usable(x.bfloat16())
     assert not cpu_fused.usable(x.half())
     assert not cpu_fused.usable(x, x.bfloat16())  # mixed dtypes: ATen's promotion rules apply
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 37, 49152])  # a row of one; a 16-lane tail; SmolLM2's vocabulary
+def test_argmax_is_max_indices(dtype, vocab):
+    """The greedy sampler's argmax: ``x.max(-1).indices`` exactly, ties to the first index (here on
+    purpose across lanes and steps), -inf rows (index 0) and NaN (the first NaN, as torch.max)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(9, vocab, generator=g) * 5).to(dtype)
+    if vocab > 20:
+        top = x.max() + 1
+        x[0, [3, vocab - 1]] = top  # a tie between the first step and the last
+        x[1, [17, 20]] = top  # a tie within one 16-lane step, in two lanes
+        x[2, :] = float("-inf")
+        x[3, [5, 11]] = float("nan")
+        x[4, 0] = float("-inf")
+    x = torch.cat([x, x[:, :0].new_full((1, vocab), 2.0)])  # a row of equal values: index 0
+    torch.testing.assert_close(cpu_fused.argmax(x), x.max(dim=-1).indices, rtol=0, atol=0)
+
+
+def test_greedy_sampler_takes_the_fused_argmax(monkeypatch):
+    """A plain greedy batch's token ids come from the fused argmax, equal to the ATen path's."""
+    from fuseserve.sampling_params import SamplingParams
+    from fuseserve.worker.sampler import Sampler, SeqSamplingState
+
+    calls = []
+    real = cpu_fused.argmax
+    monkeypatch.setattr(cpu_fused, "argmax", lambda x: calls.append(x.shape) or real(x))
+    sampler = Sampler([2], 100, lambda: None)
+    logits = (torch.randn(4, 100) * 3).bfloat16()
+    states = [
+        SeqSamplingState.create(SamplingParams(temperature=0.0), [], torch.device("cpu")) for _ in range(4)
+    ]
+    out = sampler(logits.clone(), states, inplace=True)
+    assert calls == [(4, 100)]
+    monkeypatch.setattr(cpu_fused, "ENABLED", False)
+    ref = sampler(logits.clone(), states, inplace=True)
+    assert torch.equal(out.token_ids, ref.token_ids)
