@@ -150,13 +150,6 @@ inline float hmax(v16 v) {
 }
 
 
-// Lane i holds i.
-inline v16i lane_ids() {
-  v16i lane{};
-  for (int i = 0; i < 16; ++i) lane[i] = i;
-  return lane;
-}
-
 // Walk keys [first_block * block_size, hi] block by block in chunks of up to KC keys that stay inside
 // one block: f(b, c0, j0, n) for block b, offset c0 in it, first key j0 and n keys.
 template <typename F>

@@ -206,7 +206,7 @@ void argmax_rows(const at::Tensor& out, const at::Tensor& x) {
       // (torch.max propagates it: the first NaN's index)
       v16 best = splat(-std::numeric_limits<float>::infinity());
       v16i at = {}, nan = {};
-      v16i idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      v16i idx = lane_ids();
       for_each_16(n, [&](int64_t j, int64_t m) {
         v16 v = load(row + j, m);
         if (m < 16) {

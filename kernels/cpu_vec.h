@@ -72,6 +72,13 @@ inline void store_part(T* p, v16 v, int64_t n) {
   std::memcpy(p, buf, n * sizeof(T));
 }
 
+// Lane i holds i.
+inline v16i lane_ids() {
+  v16i lane{};
+  for (int i = 0; i < 16; ++i) lane[i] = i;
+  return lane;
+}
+
 inline float hsum(v16 v) {
   float s = 0.0f;
   for (int i = 0; i < 16; ++i) s += v[i];

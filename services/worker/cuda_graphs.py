@@ -99,9 +99,8 @@ class CudaGraphs:
 
     ``shape``: the model's (query heads, head dim). ``max_tokens``: the largest pass (the token budget);
     ``max_seqs``: sequences per pass; ``max_context``: the longest sequence (tokens), which sizes the
-    static block table. ``capture``
-    defaults to ``cuda_capture`` (tests pass one that runs ``fn`` again). Raises what capturing raises
-    (``ModelRunner`` logs it and runs eagerly).
+    static block table. ``capture`` defaults to ``cuda_capture`` (tests pass one that runs ``fn``
+    again). Raises what capturing raises (``build_cuda_graphs`` logs it and runs eagerly).
     """
 
     def __init__(
@@ -249,9 +248,9 @@ class CudaGraphs:
 
 
 def build_cuda_graphs(runner, progress: bool) -> CudaGraphs | None:
-    """``runner``'s graphs (of its compiled forward where it has one, else its model's) over its KV cache, captured for passes up to
-    its token budget (512 tokens when it has none yet) and ``max_num_seqs`` sequences; None off CUDA,
-    with ``cuda_graphs`` off, and where they do not apply (another attention backend than Triton, LoRA
+    """``runner``'s graphs (of its compiled forward where it has one, else its model's) over its KV
+    cache, captured for passes up to its token budget (512 tokens when it has none yet) and
+    ``max_num_seqs`` sequences; None off CUDA, with ``cuda_graphs`` off, and where they do not apply (another attention backend than Triton, LoRA
     adapters, tensor parallelism) or capture fails (logged: the passes then run eagerly)."""
     from fuseserve.worker import parallel
     from fuseserve.worker.model_runner import DEFAULT_WARM_UP_TOKENS
