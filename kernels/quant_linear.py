@@ -7,8 +7,9 @@ kernel for a weight and packs it:
 
 - ``kernels_for(device)``: ``KERNELS`` plus ``cpu_gemv`` (CPU, with a C++ compiler:
   ``fuseserve.kernels.cpu_quant_linear``, the packed integers widened block by block inside a C++ loop
-  for passes of few rows) and ``triton`` (CUDA: ``fuseserve.kernels.triton_quant_linear``,
-  dequantizing inside a Triton GEMM);
+  for passes of few rows) and ``triton`` / ``triton-splitk`` (CUDA:
+  ``fuseserve.kernels.triton_quant_linear``, dequantizing inside a Triton GEMM; the second splits K
+  over programs in passes of at most 16 rows);
 - ``choose_kernel`` picks among the kernels that accept the weight on this device by measuring them on
   the layer's shape (1 and 16 rows), after checking each against the reference; the choice is cached
   per shape;
@@ -68,10 +69,11 @@ def kernels_for(device: torch.device) -> dict[str, type[PackedLinear]]:
             kernels[cpu_quant_linear.CpuQuantGemv.name] = cpu_quant_linear.CpuQuantGemv
     if torch.device(device).type == "cuda":
         try:
-            from fuseserve.kernels.triton_quant_linear import TritonQuantLinear
+            from fuseserve.kernels.triton_quant_linear import TritonQuantLinear, TritonQuantLinearSplitK
         except ImportError:
             return kernels
-        kernels[TritonQuantLinear.name] = TritonQuantLinear
+        for kernel in (TritonQuantLinear, TritonQuantLinearSplitK):
+            kernels[kernel.name] = kernel
     return kernels
 
 

@@ -36,6 +36,40 @@ def test_matches_reference(bits, group, n, k, m):
     assert ((got - want).norm() / want.norm()) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "bits,group,n,k,m",
+    [
+        (4, 128, 64, 512, 3),  # K steps of 128, K split in 4
+        (4, 64, 70, 192, 16),  # steps of 64, 3 splits, a partial output tile
+        (4, 32, 48, 96, 1),  # steps of 32
+        (8, 128, 33, 256, 5),
+        (2, 32, 32, 64, 2),
+        (4, 256, 40, 256, 4),  # one group per row (group = K)
+        (4, 128, 64, 512, 20),  # beyond 16 rows: the plain tiles
+    ],
+)
+def test_split_k_matches_reference(bits, group, n, k, m):
+    """The decode tiles (``split_k``): wider K steps, K split over programs, partials summed."""
+    w = _weight(n, k, bits, group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    want = ql.reference_linear(x, w)
+    args = (x.to(DEVICE), tq.pack_weight(w).to(DEVICE), w.scale.to(DEVICE), w.offset.to(DEVICE), bits, group)
+    got = tq.quant_matmul(*args, split_k=True).cpu()
+    assert ((got - want).norm() / want.norm()) < 1e-5
+    assert torch.equal(got, tq.quant_matmul(*args, split_k=True).cpu())  # fixed-order sum: same bits
+
+
+def test_decode_config():
+    """64 outputs a program; the widest step dividing K and the group; splits up to the programs wanted."""
+    assert tq.decode_config(4096, 4096, 128, 528) == (64, 128, 9)  # 64 output tiles x 9 = 576 programs
+    assert tq.decode_config(4096, 11008, 128, 528) == (64, 128, 9)
+    assert tq.decode_config(22016, 4096, 128, 528) == (64, 128, 2)
+    assert tq.decode_config(4096, 4096, 64, 528) == (64, 64, 9)
+    assert tq.decode_config(64, 96, 32, 528) == (64, 32, 3)  # no more splits than K steps
+    assert tq.decode_config(4096, 4096, 128, 8) == (64, 128, 1)
+    assert tq.decode_config(64, 8192, 128, 100000) == (64, 128, 16)  # at most 16
+
+
 def test_nibble_layout():
     """Byte j of a 32-value block: value j low, value 16 + j high."""
     q = torch.arange(32, dtype=torch.uint8).remainder(16).view(1, 32)
@@ -66,6 +100,8 @@ def test_as_a_quant_linear_kernel():
     want = ql.reference_linear(x.reshape(6, 128), w).view(2, 3, 64)
     assert ((got - want).norm() / want.norm()) < 1e-5
     assert "triton" not in ql.candidates(w, torch.device("cpu"))
+    split = tq.TritonQuantLinearSplitK(w, torch.float32).to(torch.device(DEVICE))
+    assert ((split(x.to(DEVICE)).cpu() - want).norm() / want.norm()) < 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -74,7 +110,7 @@ def test_chosen_on_cuda_in_16_bit(dtype):
     """On a GPU the Triton kernel is a candidate, and packed W4A16 / W8A16 matches the reference."""
     for bits in (4, 8):
         w = _weight(4096, 4096, bits, 128)
-        assert "triton" in ql.candidates(w, torch.device("cuda"))
+        assert {"triton", "triton-splitk"} <= set(ql.candidates(w, torch.device("cuda")))
         kernel = ql.pack(w, dtype, torch.device("cuda"), kernel="triton")
         x = torch.randn(16, 4096, device="cuda", dtype=dtype)
         want = ql.reference_linear(
