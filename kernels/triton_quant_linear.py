@@ -13,8 +13,9 @@ step (32, or 64 / 128 where K and the group allow) it loads the low and high 16-
 32-value block of ``x`` and of the weight's integers, and adds
 ``(x_lo q_lo^T + x_hi q_hi^T) * scale + sum(x) * offset`` (a step lies inside one group; the offset term
 needs only the row sums of ``x``), accumulating in fp32. With K split over programs (``split_k``,
-passes of at most 16 rows) each writes an fp32 partial sum, added in a fixed order after. The integers enter ``tl.dot`` in the activation dtype (exact: at most
-255); fp32 activations use IEEE products (no TF32). Tested against the reference on the CPU with
+passes of at most 16 rows) each writes an fp32 partial sum, added in a fixed order after. The
+integers enter ``tl.dot`` in the activation dtype (exact: at most 255); fp32 activations use IEEE
+products (no TF32). Tested against the reference on the CPU with
 ``TRITON_INTERPRET=1`` (``tests/unit/test_triton_quant_linear.py``).
 """
 
