@@ -281,18 +281,21 @@ class ModelRunner:
             batch.logits_indices = (
                 torch.arange(batch.num_tokens, device=self.device) if rows is None else rows
             )
-        metadata = self.backend.prepare(batch, self.block_size)
-        hidden, logits = self.forward_batch(batch, metadata)
+        hidden, logits = self.forward_batch(batch)
         self.seq_table.computed(plan.chunks)
         return (logits.float() if all_logits else logits), sampling_chunks
 
-    def forward_batch(self, batch: RaggedBatch, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_batch(self, batch: RaggedBatch, metadata=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over ``batch``: hidden states ``[T, hidden]`` and logits ``[S', vocab]`` (the model's
         dtype; the sampler widens them to fp32 where it needs to) of ``batch.logits_indices``; prompt
-        logprobs of this pass go to ``self._scored``."""
+        logprobs of this pass go to ``self._scored``. ``metadata``: the attention backend's plan of
+        ``batch``, built here when None and the pass runs eagerly (a replayed CUDA graph refills its own
+        static plan: none is built for it)."""
+        hidden = self.graphs.run(batch) if self.graphs is not None else None  # None: eager
+        if hidden is None and metadata is None:
+            metadata = self.backend.prepare(batch, self.block_size)
         ctx = ForwardContext(self.backend, metadata, self.kv_cache, lora=batch.lora)
         with forward_context(ctx):
-            hidden = self.graphs.run(batch) if self.graphs is not None else None  # None: eager
             stack = self.layer_stack
             if hidden is None and self.compiled is not None:
                 hidden = self.compiled(batch.input_ids, batch.positions, ctx)

@@ -112,13 +112,37 @@ def test_replayed_passes_give_the_eager_logits(tmp_path):
     ran = []  # (bucket, tokens) of each replayed pass
     bucket_for = replay.graphs.bucket_for
     replay.graphs.bucket_for = lambda batch: ran.append((bucket_for(batch), batch.num_tokens)) or ran[-1][0]
+    prepared = count_prepares(replay)
     for step, (plan_chunks, bucket) in enumerate(passes):
         want, _ = eager.run_pass(with_blocks(eager, StepPlan(step, list(plan_chunks))), all_logits=True)
+        before = len(prepared)
         got, _ = replay.run_pass(with_blocks(replay, StepPlan(step, list(plan_chunks))), all_logits=True)
+        assert len(prepared) == before  # a replayed pass builds no eager attention plan
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         b, n = ran[-1]
         assert len(ran) == step + 1 and (b.tokens, b.decode) == bucket
         assert (replay.graphs.slot_mapping[n : b.tokens] == -1).all()
+
+
+def count_prepares(runner) -> list:
+    """Calls of ``runner.backend.prepare`` from now on (one entry each)."""
+    calls, prepare = [], runner.backend.prepare
+    runner.backend.prepare = lambda *a, **k: calls.append(1) or prepare(*a, **k)
+    return calls
+
+
+def test_a_pass_beyond_the_buckets_prepares_its_plan(tmp_path):
+    """No bucket holds a 20-token pass when the graphs stop at 16: it runs eagerly, with the plan built."""
+    eager, replay = tiny_runner(tmp_path), tiny_runner(tmp_path)
+    replay.graphs = replaying(replay, max_tokens=16, max_seqs=2)
+    prepared = count_prepares(replay)
+    prompt = list(range(3, 23))
+    want, _ = eager.run_pass(with_blocks(eager, StepPlan(0, [_chunk(1, prompt, 0, 20, 20)])), all_logits=True)
+    got, _ = replay.run_pass(
+        with_blocks(replay, StepPlan(0, [_chunk(1, prompt, 0, 20, 20)])), all_logits=True
+    )
+    assert len(prepared) == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_passes_no_bucket_holds_run_eagerly(runner):
