@@ -28,6 +28,9 @@ GREEDY_TEMPERATURE = 1e-5
 #: Token ids cross the wire as uint32; any real vocabulary is far smaller.
 MAX_TOKEN_ID = 2**31
 
+#: ``top_k`` crosses the wire as int32 (``proto/worker.proto``); a larger k keeps every token anyway.
+MAX_TOP_K = 2**31 - 1
+
 #: Repetition penalty range: outside it the scaled logits overflow fp32.
 MIN_PENALTY = 0.01
 MAX_PENALTY = 100.0
@@ -201,8 +204,10 @@ class SamplingParams:
             raise InvalidParameterError(
                 "temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
             )
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidParameterError("top_k", self.top_k, "-1 or 0 (off), or an integer >= 1")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidParameterError(
+                "top_k", self.top_k, f"-1 or 0 (off), or an integer in [1, {MAX_TOP_K}]"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidParameterError("top_p", self.top_p, "a number in (0, 1]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:

@@ -52,6 +52,7 @@ from fuseserve.gateway.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     field_policy,
+    ignored_header,
 )
 from fuseserve.gateway.render import Renderer, sse
 from fuseserve.gateway.served_models import ServedModels
@@ -240,7 +241,7 @@ class Gateway:
             return Response(status_code=499)
         await self.served.refresh(self.redis, data.get("model"))
         req, ignored, lora = self.parse(ChatCompletionRequest if chat else CompletionRequest, data)
-        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
+        headers = {IGNORED_FIELDS_HEADER: ignored_header(ignored)} if ignored else {}
         seqs = await self.sequences(req, chat)
         gen = Generation(
             self.router,

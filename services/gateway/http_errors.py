@@ -8,6 +8,7 @@ connection within the pool timeout) is a 503, and a last-resort handler still an
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
@@ -21,6 +22,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fuseserve.errors import ContextLengthExceededError, FuseServeError, InvalidRequestError, QueueFullError
 
 log = logging.getLogger(__name__)
+
+
+class ErrorJSON(JSONResponse):
+    """An error body rendered as ASCII JSON (non-ASCII characters escaped): a lone surrogate echoed
+    from the request (a model name, a field name) cannot fail its encoding and turn a 4xx into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -106,7 +115,7 @@ def error_response(exc: FuseServeError) -> JSONResponse:
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
     elif exc.http_status == 503:
         headers["Retry-After"] = str(UNAVAILABLE_RETRY_AFTER_S)
-    return JSONResponse(error_for(exc), status_code=exc.http_status, headers=headers)
+    return ErrorJSON(error_for(exc), status_code=exc.http_status, headers=headers)
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> InvalidRequestError:
@@ -159,14 +168,10 @@ def install_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda _sta
         kind = STATUS_TYPES.get(
             exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
         )
-        return JSONResponse(
-            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
-        )
+        return ErrorJSON(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         on_error(500)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500
-        )
+        return ErrorJSON(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)

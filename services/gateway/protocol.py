@@ -17,8 +17,9 @@ Request fields, vLLM's policy (:func:`field_policy`):
   ``stream_options.include_obfuscation``;
 - a known field that would change the output and is not implemented (``UNIMPLEMENTED``) is a 400
   naming it;
-- any other unknown top-level field is accepted, logged once per name at warning level, and named in
-  the ``x-fuseserve-ignored-fields`` response header.
+- any other unknown top-level field is accepted, logged once per name at warning level (the first
+  ``MAX_WARNED_NAMES`` names), and named in the ``x-fuseserve-ignored-fields`` response header
+  (:func:`ignored_header`: header-safe names only, at most ``MAX_HEADER_NAMES``).
 
 Response bodies are plain dicts built in ``render.py``; their shapes follow the OpenAI API.
 """
@@ -51,6 +52,12 @@ UNIMPLEMENTED: dict[str, str] = {
 """Known OpenAI / vLLM fields that would change the output and are not implemented: 400 when set."""
 
 _warned: set[str] = set()
+
+MAX_WARNED_NAMES = 1024
+"""Distinct unknown field names logged per process (a client can send any number of them)."""
+MAX_HEADER_NAMES = 16
+"""Unknown field names listed in the response header; the rest are counted."""
+MAX_HEADER_NAME_CHARS = 64
 
 
 class _Strict(BaseModel):
@@ -167,8 +174,25 @@ def field_policy(req: BaseModel) -> list[str]:
         if name in UNIMPLEMENTED and value is not None:
             raise InvalidRequestError(f"'{name}': {UNIMPLEMENTED[name]}", param=name)
     ignored = sorted(n for n in extra if n not in UNIMPLEMENTED)
-    for name in ignored:
-        if name not in _warned:
-            _warned.add(name)
-            log.warning("ignoring unknown request field '%s' (named in x-fuseserve-ignored-fields)", name)
+    new = [n for n in ignored if n not in _warned][: max(0, MAX_WARNED_NAMES - len(_warned))]
+    if new:
+        _warned.update(new)
+        shown = ", ".join(repr(n[:MAX_HEADER_NAME_CHARS]) for n in new[:MAX_HEADER_NAMES])
+        more = f" and {len(new) - MAX_HEADER_NAMES} more" if len(new) > MAX_HEADER_NAMES else ""
+        log.warning("ignoring unknown request fields %s%s (named in x-fuseserve-ignored-fields)", shown, more)
     return ignored
+
+
+def ignored_header(names: list[str]) -> str:
+    """The ``x-fuseserve-ignored-fields`` value for ignored field ``names``: the first
+    ``MAX_HEADER_NAMES`` that are printable ASCII without commas and at most
+    ``MAX_HEADER_NAME_CHARS`` long, comma-separated, then ``(+N more)`` for the rest (a name with a
+    newline, a NUL or a non-Latin-1 character cannot be a header value)."""
+    safe = [
+        n
+        for n in names
+        if n.isascii() and n.isprintable() and "," not in n and len(n) <= MAX_HEADER_NAME_CHARS
+    ]
+    shown = safe[:MAX_HEADER_NAMES]
+    rest = len(names) - len(shown)
+    return ",".join(shown + ([f"(+{rest} more)"] if rest else []))

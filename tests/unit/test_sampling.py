@@ -54,6 +54,7 @@ def same_survivors(a: torch.Tensor, b: torch.Tensor) -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),  # past the wire's int32: it failed the whole pass's batch
         ({"min_p": 1.1}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -85,6 +86,7 @@ def test_valid_edges_accepted():
         {"top_k": -1},
         {"top_k": 0},
         {"top_k": 1},
+        {"top_k": 2**31 - 1},
         {"min_p": 1.0},
         {"presence_penalty": -2.0, "frequency_penalty": 2.0},
         {"logprobs": 0},

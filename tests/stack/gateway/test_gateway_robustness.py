@@ -101,6 +101,38 @@ LONE_SURROGATES = [
 ]
 
 
+def test_lone_surrogate_model_is_404(http):
+    """The 404 echoes the model name: its body is ASCII JSON, so the surrogate cannot make it a 500."""
+    r = http.post(
+        "/v1/completions",
+        content=json.dumps({"model": "\ud800", "prompt": "x"}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert_error(r, 404, "model")
+    assert_works(http)
+
+
+def test_unknown_field_names_that_cannot_be_a_header(http):
+    """A newline, NUL or non-Latin-1 field name once closed the connection (h11 refused the header) or
+    gave a 500; 10 000 names made a 58 KB header. Only header-safe names are listed, 16 at most."""
+    r = post(
+        http,
+        "/v1/completions",
+        prompt="x",
+        max_tokens=2,
+        **{"a\nb": 1, "n\x00ul": 2, "\U0001f642": 3, "ok": 4},
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-fuseserve-ignored-fields"] == "ok,(+3 more)"
+    r = post(http, "/v1/completions", prompt="x", max_tokens=2, stream=True, **{"a\rb": 1})
+    assert r.status_code == 200 and r.headers["x-fuseserve-ignored-fields"] == "(+1 more)"
+    r = post(http, "/v1/completions", prompt="x", max_tokens=2, **{f"f{i:04d}": i for i in range(1000)})
+    assert r.status_code == 200, r.text
+    shown = r.headers["x-fuseserve-ignored-fields"].split(",")
+    assert shown[:2] == ["f0000", "f0001"] and len(shown) == 17 and shown[-1] == "(+984 more)"
+    assert_works(http)
+
+
 @pytest.mark.parametrize("path,body,param", LONE_SURROGATES)
 def test_lone_surrogates_are_400(http, path, body, param):
     assert_error(raw_post(http, path, body), 400, param)
@@ -117,6 +149,8 @@ def test_lone_surrogates_are_400(http, path, body, param):
         ({"stop_token_ids": [49152]}, "stop_token_ids"),  # the model's vocab_size
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": [2, 10**12]}, "stop_token_ids"),
+        ({"top_k": 2**31}, "top_k"),  # int32 on the wire: it once failed every request of the pass
+        ({"top_k": 10**12}, "top_k"),
     ],
 )
 def test_values_that_cannot_reach_the_worker_are_400(http, body, param):
