@@ -6,6 +6,13 @@ them to OpenAI-style HTTP errors (``http_status``), the pipeline raises them as 
 
 from __future__ import annotations
 
+import reprlib
+
+_SHORT = reprlib.Repr()  # how an error message shows a rejected value: a 50 000-entry logit_bias not whole
+_SHORT.maxstring = _SHORT.maxother = 120
+_SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = 8
+_SHORT.maxlong = 100
+
 
 class FuseServeError(Exception):
     """Base class of every fuseserve error. ``http_status`` is the status the gateway answers with."""
@@ -40,7 +47,7 @@ class InvalidParameterError(InvalidRequestError):
     """
 
     def __init__(self, param: str, value: object, allowed: str):
-        super().__init__(f"invalid {param}={value!r}: allowed {allowed}", param=param)
+        super().__init__(f"invalid {param}={_SHORT.repr(value)}: allowed {allowed}", param=param)
         self.value = value
         self.allowed = allowed
 

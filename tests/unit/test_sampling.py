@@ -368,3 +368,13 @@ def test_plain_greedy_in_place_keeps_the_model_dtype():
     assert int(fast.token_ids[2]) == 3
     assert given.dtype == torch.bfloat16 and float(given[0, eos]) == float("-inf")  # banned in place
     assert fast.logprobs == [None] * 6 and fast.top_logprobs == [[]] * 6
+
+
+def test_rejected_values_are_shortened_in_the_message():
+    """A 49 152-entry logit_bias once came back whole in a 726 KB error body."""
+    with pytest.raises(InvalidParameterError) as exc:
+        SamplingParams(logit_bias={i: 1.0 for i in range(49152)}).validate()
+    assert exc.value.param == "logit_bias" and len(str(exc.value)) < 300
+    with pytest.raises(InvalidParameterError) as exc:
+        SamplingParams(top_p=1.5).validate()
+    assert "top_p=1.5" in str(exc.value)
