@@ -142,14 +142,6 @@ inline v16 fold16(v16* t) {
   return fold<1>(t[0], t[1]);
 }
 
-
-inline float hmax(v16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-
 // Walk keys [first_block * block_size, hi] block by block in chunks of up to KC keys that stay inside
 // one block: f(b, c0, j0, n) for block b, offset c0 in it, first key j0 and n keys.
 template <typename F>

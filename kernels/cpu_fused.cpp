@@ -224,8 +224,7 @@ void argmax_rows(const at::Tensor& out, const at::Tensor& x) {
       if (any_nan) {
         for (int64_t j = 0; j < n && pick < 0; ++j) pick = std::isnan(static_cast<float>(row[j])) ? j : -1;
       } else {
-        float m = best[0];
-        for (int k = 1; k < 16; ++k) m = std::max(m, best[k]);
+        const float m = hmax(best);
         for (int k = 0; k < 16; ++k) {
           if (best[k] == m && (pick < 0 || at[k] < pick)) pick = at[k];
         }

@@ -5,6 +5,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -77,6 +78,12 @@ inline v16i lane_ids() {
   v16i lane{};
   for (int i = 0; i < 16; ++i) lane[i] = i;
   return lane;
+}
+
+inline float hmax(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
 }
 
 inline float hsum(v16 v) {
