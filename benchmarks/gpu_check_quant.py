@@ -85,7 +85,7 @@ def kernel_rows(out: Path, shape: str) -> None:
         ref = ql.Dequant(w, torch.float32).to(dev)
         errors: dict[str, dict[int, float]] = {}
         for name in ql.candidates(w, dev):
-            kernel = ql.kernels_for(dev)[name](w, torch.bfloat16).to(dev)
+            kernel = ql.pack(w, torch.bfloat16, dev, kernel=name)
             errors[name] = {}
             for m in (1, 16, 40, 256, 300, 700, 2048):
                 x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
