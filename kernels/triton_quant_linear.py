@@ -21,6 +21,8 @@ products (no TF32). Tested against the reference on the CPU with
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -144,6 +146,7 @@ def quant_matmul(
     return y
 
 
+@functools.cache  # per layer shape: called on every eager decode matmul
 def decode_config(n: int, k: int, group: int, programs: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, splits)`` for a pass of at most 16 rows: 64 outputs per program, K steps
     of the widest of 128 / 64 / 32 that divides both K and the group (one scale per step), and K split
@@ -157,6 +160,7 @@ def decode_config(n: int, k: int, group: int, programs: int) -> tuple[int, int, 
     return block_n, block_k, splits
 
 
+@functools.cache
 def _programs_wanted(device: torch.device) -> int:
     """About four programs per streaming multiprocessor (8 off CUDA: the interpreter)."""
     if device.type != "cuda":
