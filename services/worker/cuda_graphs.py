@@ -250,8 +250,9 @@ class CudaGraphs:
 def build_cuda_graphs(runner, progress: bool) -> CudaGraphs | None:
     """``runner``'s graphs (of its compiled forward where it has one, else its model's) over its KV
     cache, captured for passes up to its token budget (512 tokens when it has none yet) and
-    ``max_num_seqs`` sequences; None off CUDA, with ``cuda_graphs`` off, and where they do not apply (another attention backend than Triton, LoRA
-    adapters, tensor parallelism) or capture fails (logged: the passes then run eagerly)."""
+    ``max_num_seqs`` sequences; None off CUDA, with ``cuda_graphs`` off, and where they do not apply
+    (another attention backend than Triton, LoRA adapters, tensor parallelism) or capture fails
+    (logged: the passes then run eagerly)."""
     from fuseserve.worker import parallel
     from fuseserve.worker.model_runner import DEFAULT_WARM_UP_TOKENS
 
