@@ -28,20 +28,13 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-// 16 lanes: one AVX-512 register, two AVX2 ones (GCC / Clang vector extensions, no intrinsics).
-typedef float v16 __attribute__((vector_size(64)));
+using namespace fuseserve_cpu_vec;  // v16, v16i, load16, store16, hsum
+
 typedef uint8_t v16b __attribute__((vector_size(16)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 // uint8 -> float through uint16 and int32: GCC 12 scalarises a direct uint8 -> float conversion (16
 // scalar converts), and uint8 -> int32 too for bytes straight from memory (16 byte inserts); each
@@ -57,12 +50,6 @@ typedef uint8_t v16b_unaligned __attribute__((vector_size(16), aligned(1), may_a
 inline v16b load_bytes(const uint8_t* p) { return *reinterpret_cast<const v16b_unaligned*>(p); }
 
 inline v16 widen(const uint8_t* p) { return to_float(load_bytes(p)); }
-
-inline float hsum(v16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
 
 // Row n of W (its packed bytes wr, its scales s and offsets o per group), dequantized 32 values at
 // a time: each(f) calls f(blk, lo, hi) with block blk's values 32 blk .. 32 blk + 15 (lo) and the next
@@ -119,8 +106,8 @@ struct Bf16Row {
 template <class Row>
 inline void dequant_row(const Row& row, float* out) {
   row.each([&](int64_t blk, v16 lo, v16 hi) {
-    store(out + blk * 32, lo);
-    store(out + blk * 32 + 16, hi);
+    store16(out + blk * 32, lo);
+    store16(out + blk * 32 + 16, hi);
   });
 }
 
@@ -131,7 +118,7 @@ template <int T, class Row>
 inline void fused_row(const Row& row, int64_t K, const float* X, float* y, int64_t N) {
   v16 acc[T] = {};
   row.each([&](int64_t blk, v16 lo, v16 hi) {
-    for (int t = 0; t < T; ++t) acc[t] += load(X + t * K + blk * 32) * lo + load(X + t * K + blk * 32 + 16) * hi;
+    for (int t = 0; t < T; ++t) acc[t] += load16(X + t * K + blk * 32) * lo + load16(X + t * K + blk * 32 + 16) * hi;
   });
   for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
 }
@@ -141,8 +128,8 @@ template <int T>
 inline void dot_rows(const float* w, const float* X, int64_t K, float* y, int64_t N) {
   v16 acc[T] = {};
   for (int64_t k = 0; k < K; k += 16) {
-    const v16 wv = load(w + k);
-    for (int t = 0; t < T; ++t) acc[t] += load(X + t * K + k) * wv;
+    const v16 wv = load16(w + k);
+    for (int t = 0; t < T; ++t) acc[t] += load16(X + t * K + k) * wv;
   }
   for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
 }

@@ -1,6 +1,7 @@
-// 16-lane fp32 vectors for fuseserve's C++ CPU operators (cpu_attention.cpp, cpu_fused.cpp): GCC / Clang
-// vector extensions, no intrinsics (one AVX-512 register, two AVX2 ones), loads and stores of fp32 and
-// bf16 rows, and a vector exp. Included by the sources; kernels/cpu_build.py hashes it with them.
+// 16-lane fp32 vectors for fuseserve's C++ CPU operators (cpu_attention.cpp, cpu_fused.cpp,
+// cpu_quant_linear.cpp): GCC / Clang vector extensions, no intrinsics (one AVX-512 register, two AVX2
+// ones), loads and stores of fp32 and bf16 rows, and a vector exp. Included by the sources;
+// kernels/cpu_build.py hashes it with them.
 #pragma once
 
 #include <c10/util/BFloat16.h>
