@@ -60,6 +60,7 @@ def library_path(source: Path, cxx: str, extra: tuple[str, ...] = ()) -> Path:
     h = hashlib.sha256()
     for part in (
         source.read_bytes(),
+        *(header.read_bytes() for header in sorted(source.parent.glob("*.h"))),  # cpu_vec.h
         " ".join(flags(extra)).encode(),
         torch.__version__.encode(),
         cxx.encode(),

@@ -232,3 +232,15 @@ def test_long_prefill_chunks_to_sdpa(monkeypatch, order, window):
     f32 = [x.float() for x in (q[tok], k[tok], v[tok], k_cache, v_cache)]
     want32, _, _ = run_backend(TorchAttentionBackend(), sub, *f32, 16, window, None)
     torch.testing.assert_close(got.float(), want32, atol=1e-2, rtol=1e-2)
+
+
+def test_build_cache_key_covers_the_shared_header(tmp_path):
+    """An edit to a header beside a source (cpu_vec.h) is a new build, not the stale cached library."""
+    from fuseserve.kernels.cpu_build import library_path
+
+    source, header = tmp_path / "op.cpp", tmp_path / "cpu_vec.h"
+    source.write_text('#include "cpu_vec.h"\n')
+    header.write_text("// one\n")
+    before = library_path(source, "c++")
+    header.write_text("// two\n")
+    assert library_path(source, "c++") != before
