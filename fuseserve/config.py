@@ -57,8 +57,9 @@ class EngineConfig:
         rate); waiting prompts run earliest deadline first. None: no TTFT deadlines.
     decode_passes: decode passes per plan when a worker's pass holds decodes only and nothing waits
         to be placed (multi-step scheduling, as vLLM v0's ``--num-scheduler-steps``; the worker
-        feeds its own sampled tokens, ``services/worker/multi_pass_run.py``); 1 (default): one pass per
-        plan.
+        feeds its own sampled tokens, ``services/worker/multi_pass_run.py``); None (default): per
+        worker, ``multi_pass_plan.default_decode_passes`` (4 for a worker process on a CPU, where
+        the control plane shares its cores; 1 for a GPU worker and in the in-process pipeline).
     tensor_parallel_size: ranks (processes) one worker or pipeline splits the model over
         (``services/worker/tensor_parallel.py``).
     overlap: build and send each worker's next plan while its current pass runs (at most one plan
@@ -154,10 +155,11 @@ class EngineConfig:
         commands=_PLANNER,
         metavar="TOKENS_PER_S",
     )
-    decode_passes: int = option(
-        1,
+    decode_passes: int | None = option(
+        None,
         "decode passes per plan when a worker's pass holds decodes only and no request waits: "
-        "one round trip for K tokens per sequence (default: %(default)s)",
+        "one round trip for K tokens per sequence (default: 4 for a worker on a CPU, 1 on a GPU "
+        "and in the pipeline)",
         commands=_PLANNER,
         metavar="K",
     )
@@ -328,7 +330,9 @@ class EngineConfig:
             raise InvalidParameterError("allow_runtime_lora", True, "tensor_parallel_size 1")
         for name in ("decode_passes", "tensor_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if name == "decode_passes" and value is None:
+                continue  # per worker: multi_pass_plan.default_decode_passes
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(name, value, "an integer >= 1")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)

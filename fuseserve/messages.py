@@ -281,6 +281,7 @@ class WorkerRecord:
     quantization: str | None = None  # the checkpoint's quant_method (gptq, awq, gguf, ...); None: float
     kv_cache_dtype: str | None = None  # KV cache storage: bfloat16, float32, float8_e4m3fn, ...
     lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters it serves (lora_modules)
+    device: str | None = None  # WorkerInfo.device: cpu, cuda:0, simulated (None: not reported)
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

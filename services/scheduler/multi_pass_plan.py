@@ -22,6 +22,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+CPU_WORKER_DECODE_PASSES = 4
+"""``decode_passes`` of a worker process on a CPU when ``EngineConfig.decode_passes`` is None.
+
+There the gateway, the scheduler, Redis (and often the clients) run on the cores the worker's
+intra-op threads use, and a thread taken off its core mid-pass stalls its partner at the next
+barrier: on 2 vCPUs the worker's two threads waited ~1 s on the run queue in a 4.8-s served run,
+about the CPU the other processes used. Fewer plans mean fewer wake-ups: served bf16 SmolLM2, 32
+requests from 16 clients, K = 1 / 4 alternated three times: 1471.7 / 1544.6, 1429.2 / 1543.4,
+1459.0 / 1510.5 tok/s, TTFT mean 0.45-0.47 / 0.49-0.51 s, ITL p95 0.113-0.131 / 0.122-0.136 s
+(``benchmarks/README.md``). Tokens reach a stream in bursts of up to K. In process (the pipeline)
+the scheduler runs between passes on the same thread and the same runs were unchanged (2474 /
+2560, 2473 / 2450 tok/s), so there it stays 1, as on GPUs (not measured there)."""
+
+
+def default_decode_passes(device: str | None) -> int:
+    """Decode passes per plan for a worker on ``device`` (``WorkerInfo.device``: ``cpu``, ``cuda:0``,
+    ``simulated``; None: the in-process pipeline's runner) when the config leaves it open:
+    ``CPU_WORKER_DECODE_PASSES`` for ``cpu``, else 1."""
+    return CPU_WORKER_DECODE_PASSES if device == "cpu" else 1
+
+
 if TYPE_CHECKING:
     from fuseserve.scheduler.policies import Draft
     from fuseserve.scheduler.worker_slot import WorkerSlot
@@ -32,7 +53,7 @@ def plan_passes(
 ) -> dict[int, int] | None:
     """Passes per sequence id for ``draft`` (before its chunks are built), blocks reserved; None: one pass.
 
-    ``decode_passes``: the most passes a plan may take (``EngineConfig.decode_passes``);
+    ``decode_passes``: the most passes a plan may take (the slot's, ``WorkerSlot.decode_passes``);
     ``max_model_len``: the context window; ``num_waiting``: sequences in the waiting queue.
 
     The plan ends with the first sequence that ends by length (its ``max_new_tokens`` or the context

@@ -86,7 +86,7 @@ class PassBuilder:
     def _plan(self, slot: WorkerSlot, draft: Draft) -> StepPlan:
         """``draft`` as ``slot``'s next plan, marked in flight."""
         passes = multi_pass_plan.plan_passes(  # None: one pass (decode_passes = 1)
-            slot, draft, self.config.decode_passes, self.registry.max_model_len, len(self.queue.waiting)
+            slot, draft, slot.decode_passes, self.registry.max_model_len, len(self.queue.waiting)
         )
         hashed: list[int] = []
         chunks = [self._chunk(slot, seq, n, hashed) for seq, n in draft.entries]

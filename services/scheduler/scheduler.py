@@ -49,6 +49,7 @@ from fuseserve.errors import (
     SchedulerError,
 )
 from fuseserve.pass_shape import PassShape
+from fuseserve.scheduler import multi_pass_plan
 from fuseserve.scheduler.block_accounting import BlockAccount
 from fuseserve.scheduler.core_stats import SchedulerCounters
 from fuseserve.scheduler.migration import Migrations
@@ -164,10 +165,14 @@ class Scheduler:
         handle: Any = None,
         latency_prior: Callable[[PassShape], float] | None = None,
         lora_adapters: set[str] | None = None,
+        device: str | None = None,
     ) -> WorkerSlot:
         """Register a worker's capacity. ``token_budget`` is the worker's profiled budget;
         ``latency_prior`` its start-up latency curve (``slo_budget.curve_prior``), if known;
-        ``lora_adapters`` the adapters it serves (``WorkerSlot.lora_adapters``; None: not reported).
+        ``lora_adapters`` the adapters it serves (``WorkerSlot.lora_adapters``; None: not reported);
+        ``device`` the one it runs on as it reported it (``WorkerInfo.device``; None: in process),
+        which sets its decode passes per plan unless the config does
+        (``multi_pass_plan.default_decode_passes``).
 
         Raises ``SchedulerError`` when neither the config nor the worker gives a budget, or the name
         is taken.
@@ -181,6 +186,7 @@ class Scheduler:
         adapters = frozenset(lora_adapters) if lora_adapters is not None else None
         slot = WorkerSlot(name, account, budget, max_model_len, handle, adapters)
         slot.latency = PassLatency(latency_prior)
+        slot.decode_passes = self.config.decode_passes or multi_pass_plan.default_decode_passes(device)
         self.registry.add(slot)
         return slot
 

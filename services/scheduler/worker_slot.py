@@ -56,6 +56,7 @@ class WorkerSlot:
         not reported (an in-process runner built from the engine's own ``lora_modules``).
     lora_recent: the adapters its ``max_loras`` adapter slots hold as far as the scheduler knows
         (``note_lora``), least recently placed first: a mirror of the worker's ``LoRAManager``.
+    decode_passes: the most decode passes one of its plans may take (``multi_pass_plan.py``).
     """
 
     name: str
@@ -76,6 +77,7 @@ class WorkerSlot:
     lora_recent: list[str] = field(default_factory=list)
     migration: MigrationPhase = MigrationPhase.NONE  # its round of KV migration (drain or balance)
     balance: dict[int, str] | None = None  # a rebalancing round planned: sequence id -> destination
+    decode_passes: int = 1
 
     def serves_lora(self, lora: str) -> bool:
         """The worker serves adapter ``lora`` (or did not report its adapters)."""

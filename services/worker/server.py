@@ -370,6 +370,7 @@ def run_worker(args: argparse.Namespace) -> int:
         quantization=info.quantization,
         kv_cache_dtype=info.kv_cache_dtype,
         lora_adapters=list(info.lora_adapters),
+        device=info.device,
     )
     runtime_loras = runner.set_runtime_loras if args.allow_runtime_lora and not args.simulate else None
     registration = Registration(args.redis_url, worker_id, record, runtime_loras)

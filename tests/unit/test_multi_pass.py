@@ -168,3 +168,42 @@ def test_stop_inside_the_passes_ends_exactly(overlap, stop_at, as_eos):
     assert stats["multi"] > 0
     assert out[0] == alone[0][: stop_at + 1] and finish[0] is FinishReason.STOP
     assert len(out[1]) == 20 and finish[1] is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize(
+    ("configured", "device", "expected"),
+    [
+        (None, "cpu", 4),
+        (None, "cuda:0", 1),
+        (None, "simulated", 1),
+        (None, None, 1),
+        (2, "cpu", 2),
+        (3, None, 3),
+    ],
+)
+def test_decode_passes_per_worker(configured, device, expected):
+    """Left open, a worker on a CPU takes CPU_WORKER_DECODE_PASSES per plan and any other (a GPU, a
+    simulated one, the pipeline's runner: no device) one; a configured value holds for every worker.
+    The slot's value is what the plans take."""
+    from fuseserve.scheduler.multi_pass_plan import CPU_WORKER_DECODE_PASSES
+
+    assert CPU_WORKER_DECODE_PASSES == 4
+    cfg = EngineConfig(token_budget=32, block_size=BLOCK, decode_passes=configured, watermark_blocks=1)
+    core = EngineCore(cfg, [], overlap=False)
+    r = SimulatedRunner(PRESETS["a100-llama2-7b"], block_size=BLOCK, num_blocks=64, sleep=lambda s: None)
+    core.add_worker("w0", r, 64, BLOCK, 4096, threaded=False, device=device)
+    assert core.scheduler.slots["w0"].decode_passes == expected
+    core.add_request(Sequence(0, [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=12).validate()))
+    most = 1
+    while core.has_work:
+        core.step()
+        most = max([most, *(p.num_passes for p in core.last_plans.values())])
+    assert most == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "4"])
+def test_decode_passes_rejects_non_positive_integers(bad):
+    from fuseserve.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="decode_passes"):
+        EngineConfig(decode_passes=bad).validate()

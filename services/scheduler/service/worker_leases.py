@@ -221,6 +221,7 @@ class WorkerLeases:
                 rec.max_model_len,
                 rec.token_budget,
                 lora_adapters=set(rec.lora_adapters),
+                device=rec.device,
             )
         except Exception:
             handle.close()  # held nowhere else; the next discovery releases the lease
