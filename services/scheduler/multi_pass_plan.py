@@ -7,6 +7,9 @@ tokens (``services/worker/multi_pass_run.py``). Rules:
 
 - only when the waiting queue is empty and no sequence of the worker has prompt tokens left, so a
   SplitFuse admission is never delayed by more than the passes already in flight;
+- not while a plan with a prompt chunk is in flight (the plan built during a prefill): requests
+  arrive in bursts, and the first of one ran alone while the rest were still reaching the queue
+  (served, 16 clients starting at once: the 15 others waited behind 4 passes of the first);
 - the plan's passes end with the first sequence that ends by length (``max_new_tokens`` or the
   context window): in a closed loop the next request arrives as one finishes, and is then not
   delayed by passes planned past that point;
@@ -67,6 +70,8 @@ def plan_passes(
         return None
     if any(seq.in_prefill for seq in slot.running):  # a prompt chunk is still to run
         return None
+    if any(c.token_ids for f in slot.inflight for c in f.plan.chunks):
+        return None  # a prompt chunk is running: requests come in bursts, the rest of one may be on its way
     for seq, _ in draft.entries:  # tokens this plan may sample for ``seq`` before a length stop
         k = min(
             k,

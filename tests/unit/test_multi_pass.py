@@ -207,3 +207,29 @@ def test_decode_passes_rejects_non_positive_integers(bad):
 
     with pytest.raises(InvalidParameterError, match="decode_passes"):
         EngineConfig(decode_passes=bad).validate()
+
+
+def test_one_pass_while_a_prompt_chunk_is_in_flight():
+    """The plan built while a prompt chunk runs (overlap) stays one pass: the rest of a burst of
+    requests may be reaching the queue. Once only decodes are in flight, the plan takes K passes."""
+    from fuseserve.scheduler.block_accounting import BlockAccount
+    from fuseserve.scheduler.multi_pass_plan import plan_passes
+    from fuseserve.scheduler.policies import Draft
+    from fuseserve.scheduler.worker_slot import InFlight, WorkerSlot
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=16).validate()
+    seq = Sequence(7, [1, 2, 3, 4, 5], params, num_computed_tokens=5, num_pending=1)
+    slot = WorkerSlot("w0", BlockAccount(64, BLOCK, False), 32, 4096, running=[seq])
+    slot.account.reserve(seq.seq_id, seq.num_planned_tokens)
+    prompt = StepPlan(0, [SeqChunk(7, 0, 5, [1, 2, 3, 4, 5], sample=True, params=params, prompt_len=5)])
+    slot.inflight.append(InFlight(prompt, [(seq, 5, 0)]))
+
+    def draft() -> Draft:
+        d = Draft(32, 8)
+        d.add(seq, 1)
+        return d
+
+    assert plan_passes(slot, draft(), 4, 4096, num_waiting=0) is None
+    slot.inflight.clear()
+    slot.inflight.append(InFlight(StepPlan(1, [SeqChunk(7, 5, 1, [], sample=True)]), [(seq, 1, 0)]))
+    assert plan_passes(slot, draft(), 4, 4096, num_waiting=0) == {7: 4}
