@@ -100,19 +100,33 @@ class GrammarBackend:
         """Compiled grammar of ``(kind, text)`` (cached by :attr:`compile`).
 
         Raises:
-            InvalidRequestError: the library cannot compile it (``param`` is ``kind``).
+            InvalidRequestError: the library cannot compile it, or it matches no string (no first
+                token is allowed, as for the regex ``[^\\s\\S]``: every row masked, the sampler
+                would take a banned token and the matcher give up); ``param`` is ``kind``.
         """
+        import xgrammar as xgr
+
         with self._lock:  # xgrammar's compiler is not documented as thread-safe
             try:
                 if kind == "json_schema":
-                    return self._compiler.compile_json_schema(text, any_whitespace=False)
-                if kind == "regex":
-                    return self._compiler.compile_regex(text)
-                return self._compiler.compile_grammar(text)
+                    compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
+                elif kind == "regex":
+                    compiled = self._compiler.compile_regex(text)
+                else:
+                    compiled = self._compiler.compile_grammar(text)
             except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
                 raise InvalidRequestError(
                     f"cannot compile {kind}: {_library_error(exc)}", param=kind
                 ) from exc
+        first = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(
+            compiled, override_stop_tokens=self.stop_token_ids or None
+        ).fill_next_token_bitmask(first)
+        if not first.any():
+            raise InvalidRequestError(
+                f"the {kind} matches no string: no token can start the output", param=kind
+            )
+        return compiled
 
     def check(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (cached), so a bad one fails before the engine.

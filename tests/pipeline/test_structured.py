@@ -73,6 +73,7 @@ def test_compiled_once_and_bad_specs_say_why(backend):
         (dict(regex="a(b"), "parenthesis"),
         (dict(json_schema={"type": "nonsense"}), "nonsense"),
         (dict(grammar="root ::= undefined_rule"), "undefined_rule"),
+        (dict(regex=r"[^\s\S]"), "matches no string"),  # compiles, but no token may start it
     ]:
         with pytest.raises(InvalidRequestError, match=why) as e:
             backend.check(SamplingParams.from_kwargs(**kwargs))
