@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from fuseserve.errors import InvalidRequestError
 from fuseserve.frontend.constraints import ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 TokenIds = list[int]
 
 UNIMPLEMENTED: dict[str, str] = {
-    "best_of": "best_of is not supported; use n",
+    "best_of": "best_of other than n is not supported; use n",
     "suffix": "suffix (insertion) is not supported",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
@@ -83,10 +83,22 @@ _SamplingFields = create_model(  # the sampling fields, from SamplingParams' own
 )
 
 
+NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs", "return_token_ids")
+"""Fields OpenAI's schema marks nullable whose null means the default (``n: null`` is one choice)."""
+
+
 class _RequestFields(_SamplingFields):
     """Fields shared by both endpoints besides the sampling ones; lengths in tokens."""
 
     model: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (k in NULL_IS_DEFAULT and v is None)}
+        return data
+
     n: int = 1
     # vLLM's extension, a real field: only requests with the same salt share cached prefix blocks
     cache_salt: str | None = None
@@ -171,6 +183,8 @@ def field_policy(req: BaseModel) -> list[str]:
     """
     extra: dict[str, Any] = req.model_extra or {}
     for name, value in extra.items():
+        if name == "best_of" and value == getattr(req, "n", 1) and type(value) is int:
+            continue  # as many candidates as choices: what n alone gives
         if name in UNIMPLEMENTED and value is not None:
             raise InvalidRequestError(f"'{name}': {UNIMPLEMENTED[name]}", param=name)
     ignored = sorted(n for n in extra if n not in UNIMPLEMENTED)

@@ -158,6 +158,26 @@ def test_values_that_cannot_reach_the_worker_are_400(http, body, param):
     assert_works(http)
 
 
+def test_null_means_the_default_and_best_of_n_is_n(http, fake):
+    """OpenAI's schema has n, stream, echo and logprobs nullable: null is the default, as there.
+    best_of equal to n asks for what n gives; any other best_of is still a 400."""
+    nulls = {"n": None, "stream": None, "echo": None, "logprobs": None, "return_token_ids": None}
+    r = post(http, "/v1/completions", prompt="Hello", max_tokens=2, **nulls)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and fake.requests[-1].params["logprobs"] is None
+    messages = [{"role": "user", "content": "Hi"}]
+    r = post(
+        http, "/v1/chat/completions", messages=messages, max_tokens=2, n=None, stream=None, logprobs=None
+    )
+    assert r.status_code == 200, r.text
+    for body in ({"best_of": 1}, {"best_of": 2, "n": 2}):
+        r = post(http, "/v1/completions", prompt="Hello", max_tokens=2, **body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == body.get("n", 1)
+    for body in ({"best_of": 2}, {"best_of": 1, "n": 2}, {"best_of": True}):
+        assert_error(post(http, "/v1/completions", prompt="x", **body), 400, "best_of")
+
+
 def test_seed_and_stop_token_id_limits_are_accepted(http, fake):
     r = post(http, "/v1/completions", prompt="x", seed=2**63 - 2, n=2, stop_token_ids=[0, 49151])
     assert r.status_code == 200, r.text
