@@ -363,7 +363,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def detokenize(request: Request):
         return utilities.detokenize(gw, gw.parse_plain(DetokenizeRequest, await gw.read_json(request)))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probes
     async def health():
         return await gw.health()
 

@@ -24,6 +24,8 @@ def test_models_health_metrics(http, fake):
     # the fp32 conversion is not quantized; the KV cache dtype is the (fake) worker record's
     assert card["quantization"] is None and card["kv_cache_dtype"] == "float8_e4m3fn"
     assert http.get("/health").json() == {"status": "ok", "workers": 1}
+    head = http.head("/health")  # a load balancer's probe
+    assert head.status_code == 200 and head.content == b""
     text = http.get("/metrics").text
     for name in (
         "fuseserve_http_requests_total",
