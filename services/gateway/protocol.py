@@ -147,8 +147,42 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
 
 
+def check_message_content(messages: Any) -> None:
+    """OpenAI's content rules on raw ``messages`` before they are parsed; raises
+    ``InvalidRequestError`` (param ``messages``) naming the message: content missing or null in a turn
+    other than the assistant's (which may carry only ``tool_calls``), an empty list of parts, or a
+    part that is not text (images, audio, files: the model takes text only)."""
+    if not isinstance(messages, list):
+        return  # the model's own validation answers
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if content is None and m.get("role") != "assistant":
+            raise InvalidRequestError(
+                f"messages[{i}]: content is required for role {m.get('role')!r}", "messages"
+            )
+        if isinstance(content, list):
+            if not content:
+                raise InvalidRequestError(f"messages[{i}]: content is an empty list of parts", "messages")
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise InvalidRequestError(
+                        f"messages[{i}]: content parts of type {kind!r} are not supported (text only)",
+                        "messages",
+                    )
+
+
 class ChatCompletionRequest(_RequestFields):
     """``POST /v1/chat/completions``. ``logprobs`` (bool) with ``top_logprobs`` 0..20 alternatives."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_rules(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_message_content(data.get("messages"))
+        return data
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens

@@ -178,6 +178,42 @@ def test_null_means_the_default_and_best_of_n_is_n(http, fake):
         assert_error(post(http, "/v1/completions", prompt="x", **body), 400, "best_of")
 
 
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        ([{"role": "user"}], "messages[0]: content is required for role 'user'"),
+        (
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}],
+            "messages[1]: content is",
+        ),
+        ([{"role": "user", "content": []}], "empty list"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://h/i.png"}}]}],
+            "'image_url'",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}],
+            "'input_audio'",
+        ),
+    ],
+)
+def test_chat_content_rules(http, messages, says):
+    """Content as OpenAI requires it, each refusal naming the message: never a prompt rendered from
+    nothing, never a parse error about strings for an image part."""
+    r = post(http, "/v1/chat/completions", messages=messages, max_tokens=2)
+    assert_error(r, 400, "messages", contains=says)
+
+
+def test_assistant_turn_may_have_no_content(http):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Call f."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    assert post(http, "/v1/chat/completions", messages=messages, max_tokens=2).status_code == 200
+
+
 def test_seed_and_stop_token_id_limits_are_accepted(http, fake):
     r = post(http, "/v1/completions", prompt="x", seed=2**63 - 2, n=2, stop_token_ids=[0, 49151])
     assert r.status_code == 200, r.text
