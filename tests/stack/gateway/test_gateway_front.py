@@ -71,6 +71,8 @@ def test_tokenize_detokenize_and_chat_template_file(http, tok):
     ):
         r = http.post(path, json=body)
         assert r.status_code == 400, (path, body, r.text)
+        if path == "/detokenize":
+            assert r.json()["error"]["param"] == "tokens", r.text  # the field sent, not "prompt"
     assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
 
 
