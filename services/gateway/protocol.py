@@ -48,8 +48,34 @@ UNIMPLEMENTED: dict[str, str] = {
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning effort is not supported",
     "web_search_options": "web search is not supported",
+    # vLLM's extensions
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty (beam search) is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported here; use echo with logprobs on /v1/completions",
+    "allowed_token_ids": "allowed_token_ids is not supported; use logit_bias or structured_outputs.choice",
+    "bad_words": "bad_words is not supported; use logit_bias",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported; send a shorter prompt",
+    "skip_special_tokens": "special tokens are always left out of the text (skip_special_tokens=false is not supported)",
+    "spaces_between_special_tokens": "spaces_between_special_tokens=false is not supported",
+    "add_generation_prompt": "add_generation_prompt=false is not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "chat_template": "a chat template per request is not supported; start the server with --chat-template",
+    "chat_template_kwargs": "chat_template_kwargs is not supported",
 }
-"""Known OpenAI / vLLM fields that would change the output and are not implemented: 400 when set."""
+"""Known OpenAI / vLLM fields that would change the output and are not implemented: 400 when set to
+anything but None or their default (``NO_CHANGE``)."""
+
+NO_CHANGE: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "bad_words": ([],),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template_kwargs": ({},),
+}
+"""vLLM's defaults of those fields, which clients send as they are: accepted (they change nothing)."""
 
 _warned: set[str] = set()
 
@@ -219,7 +245,8 @@ def field_policy(req: BaseModel) -> list[str]:
     for name, value in extra.items():
         if name == "best_of" and value == getattr(req, "n", 1) and type(value) is int:
             continue  # as many candidates as choices: what n alone gives
-        if name in UNIMPLEMENTED and value is not None:
+        unchanged = any(value == v and type(value) is type(v) for v in NO_CHANGE.get(name, ()))
+        if name in UNIMPLEMENTED and value is not None and not unchanged:
             raise InvalidRequestError(f"'{name}': {UNIMPLEMENTED[name]}", param=name)
     ignored = sorted(n for n in extra if n not in UNIMPLEMENTED)
     new = [n for n in ignored if n not in _warned][: max(0, MAX_WARNED_NAMES - len(_warned))]

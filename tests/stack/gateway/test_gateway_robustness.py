@@ -214,6 +214,54 @@ def test_assistant_turn_may_have_no_content(http):
     assert post(http, "/v1/chat/completions", messages=messages, max_tokens=2).status_code == 200
 
 
+VLLM_CHANGES = [
+    ("use_beam_search", True),
+    ("length_penalty", 0.5),
+    ("prompt_logprobs", 1),
+    ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["x"]),
+    ("truncate_prompt_tokens", 4),
+    ("skip_special_tokens", False),
+    ("spaces_between_special_tokens", False),
+    ("add_generation_prompt", False),
+    ("continue_final_message", True),
+    ("chat_template", "{{ messages }}"),
+    ("chat_template_kwargs", {"enable_thinking": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), VLLM_CHANGES)
+def test_vllm_fields_that_would_change_the_output_are_400(http, name, value):
+    """vLLM's extensions fuseserve does not implement: a value that would change the output is
+    refused naming the field (it was ignored, the output silently not what was asked)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    assert_error(
+        post(http, "/v1/chat/completions", messages=messages, max_tokens=2, **{name: value}), 400, name
+    )
+
+
+def test_vllm_defaults_sent_as_they_are_change_nothing(http, fake):
+    """What a vLLM client sends by default is accepted, and named in no ignored-fields header."""
+    defaults = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "prompt_logprobs": None,
+        "allowed_token_ids": None,
+        "bad_words": [],
+        "truncate_prompt_tokens": None,
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "chat_template": None,
+        "chat_template_kwargs": {},
+    }
+    messages = [{"role": "user", "content": "Hi"}]
+    r = post(http, "/v1/chat/completions", messages=messages, max_tokens=2, **defaults)
+    assert r.status_code == 200, r.text
+    assert "x-fuseserve-ignored-fields" not in r.headers
+
+
 def test_seed_and_stop_token_id_limits_are_accepted(http, fake):
     r = post(http, "/v1/completions", prompt="x", seed=2**63 - 2, n=2, stop_token_ids=[0, 49151])
     assert r.status_code == 200, r.text
