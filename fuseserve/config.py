@@ -58,7 +58,7 @@ class EngineConfig:
     decode_passes: decode passes per plan when a worker's pass holds decodes only and nothing waits
         to be placed (multi-step scheduling, as vLLM v0's ``--num-scheduler-steps``; the worker
         feeds its own sampled tokens, ``services/worker/multi_pass_run.py``); None (default): per
-        worker, ``multi_pass_plan.default_decode_passes`` (4 for a worker process on a CPU, where
+        worker, ``multi_pass_plan.default_decode_passes`` (3 for a worker process on a CPU, where
         the control plane shares its cores; 1 for a GPU worker and in the in-process pipeline).
     tensor_parallel_size: ranks (processes) one worker or pipeline splits the model over
         (``services/worker/tensor_parallel.py``).
@@ -158,7 +158,7 @@ class EngineConfig:
     decode_passes: int | None = option(
         None,
         "decode passes per plan when a worker's pass holds decodes only and no request waits: "
-        "one round trip for K tokens per sequence (default: 4 for a worker on a CPU, 1 on a GPU "
+        "one round trip for K tokens per sequence (default: 3 for a worker on a CPU, 1 on a GPU "
         "and in the pipeline)",
         commands=_PLANNER,
         metavar="K",

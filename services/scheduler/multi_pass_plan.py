@@ -9,7 +9,7 @@ tokens (``services/worker/multi_pass_run.py``). Rules:
   SplitFuse admission is never delayed by more than the passes already in flight;
 - not while a plan with a prompt chunk is in flight (the plan built during a prefill): requests
   arrive in bursts, and the first of one ran alone while the rest were still reaching the queue
-  (served, 16 clients starting at once: the 15 others waited behind 4 passes of the first);
+  (served, 16 clients starting at once: the 15 others waited behind K passes of the first);
 - the plan's passes end with the first sequence that ends by length (``max_new_tokens`` or the
   context window): in a closed loop the next request arrives as one finishes, and is then not
   delayed by passes planned past that point;
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-CPU_WORKER_DECODE_PASSES = 4
+CPU_WORKER_DECODE_PASSES = 3
 """``decode_passes`` of a worker process on a CPU when ``EngineConfig.decode_passes`` is None.
 
 There the gateway, the scheduler, Redis (and often the clients) run on the cores the worker's
@@ -33,8 +33,11 @@ intra-op threads use, and a thread taken off its core mid-pass stalls its partne
 barrier: on 2 vCPUs the worker's two threads waited ~1 s on the run queue in a 4.8-s served run,
 about the CPU the other processes used. Fewer plans mean fewer wake-ups: served bf16 SmolLM2, 32
 requests from 16 clients, K = 1 / 4 alternated three times: 1471.7 / 1544.6, 1429.2 / 1543.4,
-1459.0 / 1510.5 tok/s, TTFT mean 0.45-0.47 / 0.49-0.51 s, ITL p95 0.113-0.131 / 0.122-0.136 s
-(``benchmarks/README.md``). Tokens reach a stream in bursts of up to K. In process (the pipeline)
+1459.0 / 1510.5 tok/s, TTFT mean 0.45-0.47 / 0.49-0.51 s, ITL p95 0.113-0.131 / 0.122-0.136 s;
+then, with a prompt chunk in flight keeping plans to one pass, K = 3 / 4 alternated twice: 1597.6 /
+1637.3, 1636.9 / 1594.8 tok/s, ITL p95 0.115, 0.117 / 0.124, 0.116 s (``benchmarks/README.md``).
+Tokens reach a stream in bursts of up to K, and a p95 inter-token latency of about K passes, so the
+smaller K of the same throughput. In process (the pipeline)
 the scheduler runs between passes on the same thread and the same runs were unchanged (2474 /
 2560, 2473 / 2450 tok/s), so there it stays 1, as on GPUs (not measured there)."""
 

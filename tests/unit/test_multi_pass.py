@@ -173,7 +173,7 @@ def test_stop_inside_the_passes_ends_exactly(overlap, stop_at, as_eos):
 @pytest.mark.parametrize(
     ("configured", "device", "expected"),
     [
-        (None, "cpu", 4),
+        (None, "cpu", 3),
         (None, "cuda:0", 1),
         (None, "simulated", 1),
         (None, None, 1),
@@ -187,7 +187,7 @@ def test_decode_passes_per_worker(configured, device, expected):
     The slot's value is what the plans take."""
     from fuseserve.scheduler.multi_pass_plan import CPU_WORKER_DECODE_PASSES
 
-    assert CPU_WORKER_DECODE_PASSES == 4
+    assert CPU_WORKER_DECODE_PASSES == 3
     cfg = EngineConfig(token_budget=32, block_size=BLOCK, decode_passes=configured, watermark_blocks=1)
     core = EngineCore(cfg, [], overlap=False)
     r = SimulatedRunner(PRESETS["a100-llama2-7b"], block_size=BLOCK, num_blocks=64, sleep=lambda s: None)
