@@ -117,14 +117,6 @@ class _RequestFields(_SamplingFields):
     """Fields shared by both endpoints besides the sampling ones; lengths in tokens."""
 
     model: str
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and any(data.get(k, 0) is None for k in NULL_IS_DEFAULT):
-            data = {k: v for k, v in data.items() if not (k in NULL_IS_DEFAULT and v is None)}
-        return data
-
     n: int = 1
     # vLLM's extension, a real field: only requests with the same salt share cached prefix blocks
     cache_salt: str | None = None
@@ -146,6 +138,13 @@ class _RequestFields(_SamplingFields):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (k in NULL_IS_DEFAULT and v is None)}
+        return data
 
 
 class CompletionRequest(_RequestFields):
@@ -184,7 +183,7 @@ def check_message_content(messages: Any) -> None:
         if not isinstance(m, dict):
             continue
         content = m.get("content")
-        if content is None and m.get("role") != "assistant":
+        if content is None and m.get("role") not in ("assistant", None):  # no role: the model's error
             raise InvalidRequestError(
                 f"messages[{i}]: content is required for role {m.get('role')!r}", "messages"
             )
@@ -203,13 +202,6 @@ def check_message_content(messages: Any) -> None:
 class ChatCompletionRequest(_RequestFields):
     """``POST /v1/chat/completions``. ``logprobs`` (bool) with ``top_logprobs`` 0..20 alternatives."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _content_rules(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            check_message_content(data.get("messages"))
-        return data
-
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
@@ -217,6 +209,13 @@ class ChatCompletionRequest(_RequestFields):
     tools: list[Tool] | None = Field(default=None, min_length=1)  # OpenAI rejects []
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_rules(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_message_content(data.get("messages"))
+        return data
 
 
 class TokenizeRequest(_Strict):
