@@ -57,9 +57,8 @@ class EngineConfig:
         rate); waiting prompts run earliest deadline first. None: no TTFT deadlines.
     decode_passes: decode passes per plan when a worker's pass holds decodes only and nothing waits
         to be placed (multi-step scheduling, as vLLM v0's ``--num-scheduler-steps``; the worker
-        feeds its own sampled tokens, ``services/worker/multi_pass_run.py``); None (default): per
-        worker, ``multi_pass_plan.default_decode_passes`` (3 for a worker process on a CPU, where
-        the control plane shares its cores; 1 for a GPU worker and in the in-process pipeline).
+        feeds its own sampled tokens, ``services/worker/multi_pass_run.py``); None (default): per worker,
+        ``multi_pass_plan.default_decode_passes`` (3 on a CPU, 1 on a GPU and in the pipeline).
     tensor_parallel_size: ranks (processes) one worker or pipeline splits the model over
         (``services/worker/tensor_parallel.py``).
     overlap: build and send each worker's next plan while its current pass runs (at most one plan

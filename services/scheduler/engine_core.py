@@ -110,23 +110,11 @@ class EngineCore:
         lora_adapters: set[str] | None = None,
         device: str | None = None,
     ) -> None:
-        """Register a worker. ``threaded=False`` runs its plans inline in ``step``/``poll`` (tests).
-        ``latency_prior``: its start-up latency curve; ``lora_adapters``: the adapters it serves;
-        ``device``: the one it runs on (``Scheduler.add_worker``).
-
-        Raises ``SchedulerError`` when no token budget is known or the name is taken.
-        """
-        self.scheduler.add_worker(
-            name,
-            num_blocks,
-            block_size,
-            max_model_len,
-            token_budget,
-            handle,
-            latency_prior,
-            lora_adapters,
-            device,
-        )
+        """Register a worker (the other keywords: ``Scheduler.add_worker``). ``threaded=False`` runs its
+        plans inline in ``step``/``poll`` (tests). Raises ``SchedulerError`` when no token budget is
+        known or the name is taken."""
+        capacity = (num_blocks, block_size, max_model_len, token_budget)
+        self.scheduler.add_worker(name, *capacity, handle, latency_prior, lora_adapters, device)
         self._lanes[name] = WorkerLane(name, hasattr(handle, "send"), self._done, threaded, self.waiter)
         self._dispatch_all = True
 

@@ -392,8 +392,7 @@ def run_worker(args: argparse.Namespace) -> int:
     registration.drain()
     handed_back = wait_drained(runner, drain)
     registration.stop()
-    # plans still arriving are refused: their sequences recompute elsewhere. Drained clean, only the
-    # scheduler's idle Steps stream is open: no need to hold it for long
+    # plans still arriving are refused (they recompute elsewhere); drained clean, only an idle stream is open
     server.stop(grace=0.5 if not handed_back else 2).wait()
     log.info("worker %s drained (%d sequences handed back)", worker_id, handed_back)
     if hasattr(runner, "close"):  # a tensor-parallel runner stops its other ranks
