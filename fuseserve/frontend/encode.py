@@ -72,27 +72,27 @@ class PromptEncoder:
             )
 
     # ------------------------------------------------------------------ prompts
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, param: str = "prompt") -> list[int]:
         """Token ids of one prompt (text or token ids).
 
-        Raises ``InvalidRequestError`` (param "prompt"): not valid text, an id outside the
-        vocabulary, no tokenizer for a text prompt, or an empty prompt.
+        Raises ``InvalidRequestError`` (param ``param``: the request field the prompt came in): not
+        valid text, an id outside the vocabulary, no tokenizer for a text prompt, or an empty prompt.
         """
         if isinstance(prompt, str):
-            check_text(prompt, "prompt")
+            check_text(prompt, param)
             if not prompt:
-                raise InvalidRequestError("prompt is empty", param="prompt")
-            self._need_tokenizer("a text prompt", "prompt")
+                raise InvalidRequestError(f"{param} is empty", param=param)
+            self._need_tokenizer("a text prompt", param)
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif is_token_ids(prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"token id {bad[0]} outside [0, {self.vocab_size})", param="prompt")
+                raise InvalidRequestError(f"token id {bad[0]} outside [0, {self.vocab_size})", param=param)
             ids = list(prompt)
         else:
-            raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
+            raise InvalidRequestError("a prompt is a string or a list of token ids", param=param)
         if not ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
+            raise InvalidRequestError(f"{param} is empty", param=param)
         return ids
 
     def encode_batch(self, prompts: object) -> list[list[int]]:

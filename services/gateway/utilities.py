@@ -66,8 +66,5 @@ def detokenize(gw, req: DetokenizeRequest) -> dict:
     """``{"prompt": text}`` of ``tokens``; raises ``InvalidRequestError`` for ids outside the vocabulary."""
     _need_tokenizer(gw)
     if req.tokens:
-        try:
-            gw.encoder.encode(req.tokens)  # checks the ids against the vocabulary
-        except InvalidRequestError as e:
-            raise InvalidRequestError(str(e), param="tokens") from None
+        gw.encoder.encode(req.tokens, param="tokens")  # checks the ids against the vocabulary
     return {"prompt": gw.tokenizer.decode(req.tokens)}

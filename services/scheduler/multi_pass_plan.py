@@ -25,6 +25,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from fuseserve.scheduler.policies import Draft
+    from fuseserve.scheduler.worker_slot import WorkerSlot
+
+
 CPU_WORKER_DECODE_PASSES = 3
 """``decode_passes`` of a worker process on a CPU when ``EngineConfig.decode_passes`` is None.
 
@@ -37,9 +42,9 @@ requests from 16 clients, K = 1 / 4 alternated three times: 1471.7 / 1544.6, 142
 then, with a prompt chunk in flight keeping plans to one pass, K = 3 / 4 alternated twice: 1597.6 /
 1637.3, 1636.9 / 1594.8 tok/s, ITL p95 0.115, 0.117 / 0.124, 0.116 s (``benchmarks/README.md``).
 Tokens reach a stream in bursts of up to K, and a p95 inter-token latency of about K passes, so the
-smaller K of the same throughput. In process (the pipeline)
-the scheduler runs between passes on the same thread and the same runs were unchanged (2474 /
-2560, 2473 / 2450 tok/s), so there it stays 1, as on GPUs (not measured there)."""
+smaller K of the same throughput. In process (the pipeline) the scheduler runs between passes on the
+same thread and the same runs were unchanged (2474 / 2560, 2473 / 2450 tok/s), so there it stays 1,
+as on GPUs (not measured there)."""
 
 
 def default_decode_passes(device: str | None) -> int:
@@ -47,11 +52,6 @@ def default_decode_passes(device: str | None) -> int:
     ``simulated``; None: the in-process pipeline's runner) when the config leaves it open:
     ``CPU_WORKER_DECODE_PASSES`` for ``cpu``, else 1."""
     return CPU_WORKER_DECODE_PASSES if device == "cpu" else 1
-
-
-if TYPE_CHECKING:
-    from fuseserve.scheduler.policies import Draft
-    from fuseserve.scheduler.worker_slot import WorkerSlot
 
 
 def plan_passes(
