@@ -33,7 +33,7 @@ from fuseserve.worker.server import WorkerServicer
 from fuseserve.worker.sim_runner import SimulatedRunner, prompt_key, sim_token
 
 NUM_REQUESTS, NEW_TOKENS = 6, 40
-TIMINGS = messages.LeaseTimings(0.3)
+TIMINGS = messages.LeaseTimings(1.0)  # a beat every 0.2 s: a 0.3-s TTL was lost to a loaded CI machine
 PARAMS = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
