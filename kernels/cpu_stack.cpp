@@ -7,10 +7,10 @@
 // same order, through the dispatcher: mkldnn::_linear_pointwise on the packed weights
 // (services/worker/prepacked_linear.py), fuseserve_fused::{rms_norm, add_rms_norm, rotary, silu_mul}
 // (cpu_fused.cpp), index_copy_ into the KV cache (kernels/reference.py's write_kv),
-// fuseserve_cpu::paged_attention (cpu_attention.cpp) and, for the prefill chunks a pass sends to SDPA,
-// scaled_dot_product_attention as reference.prefill_attention calls it; so its output equals the
-// Python layers' bit for bit (tests/unit/test_layer_stack.py). Both libraries must be loaded first
-// (cpu_stack.py does it).
+// fuseserve_cpu::paged_attention (cpu_attention.cpp) and, for a pass's long bf16 prefill chunks on AMX
+// CPUs, fuseserve_prefill::prefill_attention (cpu_prefill.cpp); so its output equals the Python layers'
+// bit for bit (tests/unit/test_layer_stack.py). Those libraries must be loaded first (cpu_stack.py
+// does it).
 //
 // Per layer l, weights[10 l ..]: input norm, qkv (packed), qkv bias, o (packed), o bias, post-attention
 // norm, gate_up (packed), gate_up bias, down (packed), down bias; a bias with no elements means none.
@@ -133,11 +133,12 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
 }
 
 // One layer's attention over the cache, written into attn [T, H, D]: the whole pass through the paged
-// operator, or, with a split (cpu_attention.SdpaSplit, as its write_and_attend takes it), the short
-// rows through the operator and each long prefill chunk through SDPA over its gathered blocks.
+// operator, or, with a split (cpu_attention.PrefillSplit, as its write_and_attend takes it), the short
+// rows through the operator and the long prefill chunks through fuseserve_prefill::prefill_attention
+// (cpu_prefill.cpp), one call for all of them.
 // split_ints: [0] or [1, rest (0 none, 1 the pass's first tokens, 2 gathered), chunks, then per chunk
-// start, end, context_len, has_mask]; split_tensors: rest's block_tables, cu_seqlens_q, seq_lens,
-// token_idx (when rest), then per chunk its blocks and its mask (when it has one).
+// start, end, context_len]; split_tensors: rest's block_tables, cu_seqlens_q, seq_lens, token_idx
+// (when rest), then each chunk's blocks.
 void attend(const at::Tensor& attn, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
             at::IntArrayRef split_ints, at::TensorList split_tensors, int64_t window, double scale) {
@@ -159,22 +160,12 @@ void attend(const at::Tensor& attn, const at::Tensor& q, const at::Tensor& k_cac
     else attn.index_copy_(0, idx, part);
     t = 4;
   }
-  const int64_t block_size = k_cache.size(1), kvh = k_cache.size(2), d = k_cache.size(3);
-  const bool gqa = q.size(1) != kvh;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t* b = split_ints.data() + 3 + 4 * c;  // start, end, context_len, has_mask
-    const at::Tensor& blocks = split_tensors[t++];
-    std::optional<at::Tensor> mask;
-    if (b[3] != 0) mask = split_tensors[t++];
-    auto gather = [&](const at::Tensor& cache) {
-      const at::Tensor g = cache.index_select(0, blocks.reshape(-1)).view({blocks.size(0) * block_size, kvh, d});
-      return g.narrow(0, 0, b[2]).transpose(0, 1).unsqueeze(0);
-    };
-    const at::Tensor qp = q.narrow(0, b[0], b[1] - b[0]).transpose(0, 1).unsqueeze(0);
-    const at::Tensor o = at::scaled_dot_product_attention(qp, gather(k_cache), gather(v_cache), mask, 0.0,
-                                                          !mask.has_value(), scale, gqa);
-    attn.narrow(0, b[0], b[1] - b[0]).copy_(o[0].transpose(0, 1));
-  }
+  if (chunks == 0) return;
+  static const c10::OperatorHandle prefill = op("fuseserve_prefill::prefill_attention");
+  const std::vector<int64_t> ints(split_ints.begin() + 3, split_ints.begin() + 3 + 3 * chunks);
+  const std::vector<at::Tensor> blocks(split_tensors.begin() + t, split_tensors.begin() + t + chunks);
+  torch::jit::Stack st{attn, q, k_cache, v_cache, ints, blocks, scale, window};
+  prefill.callBoxed(st);
 }
 
 // x [T, hidden] (the embeddings) -> the last layer's output [T, hidden] (before the final norm).

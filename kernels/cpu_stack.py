@@ -34,6 +34,8 @@ def load() -> Any:
     ``cpu_attention``), building what is not built yet. Raises ``cpu_build.CpuKernelUnavailable``."""
     cpu_fused.load()
     cpu_attention.load()
+    if cpu_attention.amx_prefill():
+        cpu_attention.load_prefill()
     return cpu_build.load(SOURCE, "fuseserve_stack")
 
 
@@ -65,10 +67,9 @@ def decoder_layers(
     ten per layer: input norm, qkv, qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias,
     down, down bias (linears packed, an empty tensor for a missing bias); one K and one
     V cache ``[num_blocks, block_size, KVH, D]`` per layer, written at ``metadata.slot_mapping``;
-    ``windows`` each layer's sliding window (0: none). A ``metadata.split`` pass (long prefill chunks
-    to SDPA) needs one window for every layer. Raises ``RuntimeError`` on inconsistent sizes.
+    ``windows`` each layer's sliding window (0: none). Raises ``RuntimeError`` on inconsistent sizes.
     """
-    split_ints, split_tensors = _split_args(metadata.split, windows[0] or None)
+    split_ints, split_tensors = _split_args(metadata.split)
     return load().decoder_layers(
         x,
         positions,
@@ -92,15 +93,15 @@ def decoder_layers(
     )
 
 
-def _split_args(split, window: int | None) -> tuple[list[int], list[torch.Tensor]]:
-    """``cpu_attention.SdpaSplit`` as the operator's ``split_ints`` / ``split_tensors`` (``cpu_stack.cpp``,
+def _split_args(split) -> tuple[list[int], list[torch.Tensor]]:
+    """``cpu_attention.PrefillSplit`` as the operator's ``split_ints`` / ``split_tensors`` (``cpu_stack.cpp``,
     ``attend``): ``[0]`` and none without a split."""
     if split is None:
         return [0], []
     rest = split.rest
     ints = [1, 0 if rest is None else 1 if split.prefix else 2, len(split.prefills)]
     tensors = [] if rest is None else [rest.block_tables, rest.cu_seqlens_q, rest.seq_lens, split.token_idx]
-    for chunk, mask in zip(split.prefills, split.masks(window), strict=True):
-        ints += [chunk.start, chunk.end, chunk.context_len, int(mask is not None)]
-        tensors += [chunk.blocks] if mask is None else [chunk.blocks, mask]
+    for chunk in split.prefills:
+        ints += [chunk.start, chunk.end, chunk.context_len]
+        tensors.append(chunk.blocks)
     return ints, tensors

@@ -4,9 +4,8 @@ A model takes the stack when every layer is ``llama.DecoderLayer`` with ``layers
 norm, no soft-cap) and a SiLU ``layers.GatedMLP``, its norms plain ``RMSNorm``, its linears packed
 (``prepacked_linear``), on one rank, on the CPU in fp32 / bf16, with the C++ attention backend over a
 cache in the model's dtype, no LoRA adapters and no compiled forward: LLaMA, Mistral, Qwen2, Phi-3
-(their files add nothing else). Every pass takes it but one with LoRA adapters, or one whose
-prefill chunks go to SDPA (``cpu_attention.SdpaSplit``) in a model whose layers have different
-sliding windows; those run the Python layers.
+(their files add nothing else). Every pass takes it but one with LoRA adapters, which runs the
+Python layers.
 ``FUSESERVE_LAYER_STACK=0`` turns it off. The output is the Python layers' bit for bit (same operators,
 same order); ``tests/unit/test_layer_stack.py`` checks it.
 """
@@ -76,7 +75,6 @@ class LayerStack:
         self.eps = decoder.layers[0].input_layernorm.eps
         self.scale = first.scale
         self.windows = [layer.self_attn.sliding_window or 0 for layer in decoder.layers]
-        self.one_window = len(set(self.windows)) == 1  # a split pass's SDPA masks serve every layer
         empty = torch.empty(0, dtype=decoder.norm.weight.dtype)
         self.weights: list[torch.Tensor] = []
         for layer in decoder.layers:
@@ -106,14 +104,9 @@ class LayerStack:
 
     def accepts(self, batch, metadata) -> bool:
         """Whether this pass (``metadata``: the CPU backend's, as ``build`` required) can take the stack:
-        no LoRA tokens, no SDPA split unless every layer has the same window, the operators switched
-        on (``cpu_stack.ENABLED``, ``cpu_fused.ENABLED``: benchmarks toggle them)."""
-        return (
-            cpu_stack.ENABLED
-            and cpu_fused.ENABLED
-            and batch.lora is None
-            and (metadata.split is None or self.one_window)
-        )
+        no LoRA tokens, the operators switched on (``cpu_stack.ENABLED``, ``cpu_fused.ENABLED``:
+        benchmarks toggle them)."""
+        return cpu_stack.ENABLED and cpu_fused.ENABLED and batch.lora is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
         """``input_ids [T]``, ``positions [T]`` (int64) → final hidden states ``[T, hidden]``, as ``model(...)``."""

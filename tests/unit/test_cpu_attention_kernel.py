@@ -205,12 +205,12 @@ def test_cpu_kernel_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("order", ["decodes_first", "mixed", "only_long"])
 @pytest.mark.parametrize("window", [None, 20])
-def test_long_prefill_chunks_to_sdpa(monkeypatch, order, window):
-    """Where ``sdpa_prefill()`` holds (AMX), bf16 chunks of ``SDPA_MIN_TOKENS`` or more go to SDPA and
+def test_long_prefill_chunks_to_the_prefill_kernel(monkeypatch, order, window):
+    """Where ``amx_prefill()`` holds (AMX), bf16 chunks of ``PREFILL_MIN_TOKENS`` or more go to ``prefill_attention`` and
     the rest of the pass to the operator: the same output as the operator alone, whether the operator's
     tokens come first (a slice), are interleaved with the long chunks (a gather), or are none."""
     batch, q, k, v, k_cache, v_cache = make_pass(16, 6, 64, torch.bfloat16)
-    long = [i for i, n in enumerate(batch.query_lens) if n >= cpu_attention.SDPA_MIN_TOKENS]
+    long = [i for i, n in enumerate(batch.query_lens) if n >= cpu_attention.PREFILL_MIN_TOKENS]
     short = [i for i in range(len(batch.query_lens)) if i not in long]
     rows = {"decodes_first": short + long, "mixed": list(range(len(batch.query_lens))), "only_long": long}[
         order
@@ -218,13 +218,13 @@ def test_long_prefill_chunks_to_sdpa(monkeypatch, order, window):
     sub = _subset(batch, rows)
     tok = torch.cat([torch.arange(batch.cu_seqlens_q[i], batch.cu_seqlens_q[i + 1]) for i in rows])
     args = (sub, q[tok], k[tok], v[tok], k_cache, v_cache, 16, window, None)
-    monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: True)
+    monkeypatch.setattr(cpu_attention, "amx_prefill", lambda: True)
     meta = CpuAttentionBackend().prepare(sub, 16)
     assert meta.split is not None and len(meta.split.prefills) == len(long)
     assert (meta.split.rest is None) == (order == "only_long")
     assert meta.split.prefix == (order == "decodes_first")
     got, kc, _ = run_backend(CpuAttentionBackend(), *args)
-    monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: False)
+    monkeypatch.setattr(cpu_attention, "amx_prefill", lambda: False)
     assert CpuAttentionBackend().prepare(sub, 16).split is None
     want, kw, _ = run_backend(CpuAttentionBackend(), *args)
     assert torch.equal(kc, kw)

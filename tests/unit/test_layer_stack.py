@@ -1,6 +1,6 @@
 """The decoder layers as one C++ call (services/worker/layer_stack.py, kernels/cpu_stack.cpp): every
 pass that takes it gives the Python layers' hidden states bit for bit, on each LLaMA-shaped family's
-tiny checkpoint and on SmolLM2 in fp32 and bf16, SDPA-split passes included; other families keep
+tiny checkpoint and on SmolLM2 in fp32 and bf16, prefill-split passes included; other families keep
 Python."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_stack_equals_python_layers(tmp_path, monkeypatch, family, dtype):
     _, config = tiny_checkpoint(family, tmp_path)
     runner = _runner(tmp_path, config, dtype)
     assert runner.layer_stack is not None
-    monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: False)  # every pass takes the stack
+    monkeypatch.setattr(cpu_attention, "amx_prefill", lambda: False)  # every pass takes the stack
     calls = _drive(runner, monkeypatch, [20, 7, 33], decodes=3)
     assert calls == [60, 3, 3, 3]
 
@@ -94,14 +94,14 @@ def test_lora_and_switch_keep_python_layers(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral-sw16"])
 @pytest.mark.parametrize("prompts", [[5, 40, 3], [40, 5], [33, 40]])
-def test_sdpa_split_passes_take_the_stack(tmp_path, monkeypatch, family, prompts):
-    """Passes whose long prefill chunks go to SDPA (AMX CPUs, bf16; forced here): the operator's rows
-    first (a slice), gathered, or none; a sliding window gives the chunks masks."""
+def test_prefill_split_passes_take_the_stack(tmp_path, monkeypatch, family, prompts):
+    """Passes whose long prefill chunks go to the prefill kernel (AMX CPUs, bf16; forced here): the operator's rows
+    first (a slice), gathered, or none; with a sliding window or without."""
     if "bfloat16" not in _dtypes():
         pytest.skip("bf16 linears are not packed on this CPU")
     _, config = tiny_checkpoint(family, tmp_path)
     runner = _runner(tmp_path, config, "bfloat16")
-    monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: True)
+    monkeypatch.setattr(cpu_attention, "amx_prefill", lambda: True)
     assert _drive(runner, monkeypatch, prompts, decodes=2) == [sum(prompts), len(prompts), len(prompts)]
 
 
@@ -109,7 +109,7 @@ def test_sdpa_split_passes_take_the_stack(tmp_path, monkeypatch, family, prompts
 def test_smollm2_stack_equals_python_layers(smollm2_source, monkeypatch, dtype):
     runner = _runner(smollm2_source.path, smollm2_source.config, dtype)
     assert runner.layer_stack is not None
-    monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: False)
+    monkeypatch.setattr(cpu_attention, "amx_prefill", lambda: False)
     assert _drive(runner, monkeypatch, [24, 9], decodes=2) == [33, 2, 2]
 
 
@@ -123,7 +123,7 @@ def test_long_bf16_passes_split_rows_in_both_paths(smollm2_source, monkeypatch):
     torch.set_num_threads(2)
     try:
         runner = _runner(smollm2_source.path, smollm2_source.config, "bfloat16")
-        monkeypatch.setattr(cpu_attention, "sdpa_prefill", lambda: False)
+        monkeypatch.setattr(cpu_attention, "amx_prefill", lambda: False)
         assert _drive(runner, monkeypatch, [300, 212], decodes=1) == [512, 2]
     finally:
         torch.set_num_threads(threads)
