@@ -148,7 +148,9 @@ void attend(const at::Tensor& attn, const at::Tensor& q, const at::Tensor& k_cac
     torch::jit::Stack st{out, rows, k_cache, v_cache, tables, cu, lens, scale, window, 0.0};
     paged.callBoxed(st);
   };
-  if (split_ints[0] == 0) return operator_rows(attn, q, block_tables, cu_seqlens_q, seq_lens);
+  // the split is for bf16 (as write_and_attend): an fp32 pass runs every row through the operator
+  if (split_ints[0] == 0 || q.scalar_type() != at::kBFloat16 || k_cache.scalar_type() != q.scalar_type())
+    return operator_rows(attn, q, block_tables, cu_seqlens_q, seq_lens);
   const int64_t rest = split_ints[1], chunks = split_ints[2];
   int64_t t = 0;
   if (rest != 0) {
