@@ -114,9 +114,9 @@ def amx_prefill() -> bool:
     """Whether bf16 prefill chunks go to ``prefill_attention`` (AMX tile matmuls through oneDNN) here:
     on CPUs with AMX (``amx_bf16``). Measured (SmolLM2 shapes, 2 threads, Xeon with AMX): PyTorch's
     flash SDPA, which reaches the same tiles, took a fresh 256-token chunk in 11.1 ms for 30 layers
-    against 27.2 in the operator; ``prefill_attention`` a 200-token chunk in 250 us a layer against
-    SDPA's 301 (``benchmarks/README.md``). On an AVX-512 Zen 4 without AMX SDPA and the operator were
-    at parity (0.92x), so there the operator keeps every row."""
+    against 27.2 in the operator; ``prefill_attention`` five 200-token chunks in 1.30-1.34 ms a layer
+    against SDPA's ~1.6 (``benchmarks/README.md``). On an AVX-512 Zen 4 without AMX SDPA and the
+    operator were at parity (0.92x), so there the operator keeps every row."""
     return "amx_bf16" in cpu_build.cpu_signature().split()
 
 
