@@ -44,11 +44,16 @@ __all__ = [
 
 @functools.cache
 def load() -> Any:
-    """``torch.ops.fuseserve_cpu``, building the library first if no cached build exists (``cpu_build``).
+    """``torch.ops.fuseserve_cpu``, building the library first if no cached build exists (``cpu_build``);
+    where ``amx_prefill()`` holds, the prefill library too (``load_prefill``), so that no pass waits
+    for its build.
 
     Raises ``CpuKernelUnavailable`` when no C++ compiler is on PATH or the build fails.
     """
-    return cpu_build.load(SOURCE, OP_NAMESPACE)
+    ops = cpu_build.load(SOURCE, OP_NAMESPACE)
+    if amx_prefill():
+        load_prefill()
+    return ops
 
 
 @functools.cache

@@ -33,9 +33,7 @@ def load() -> Any:
     """``torch.ops.fuseserve_stack`` with the operators it calls loaded (``cpu_fused``,
     ``cpu_attention``), building what is not built yet. Raises ``cpu_build.CpuKernelUnavailable``."""
     cpu_fused.load()
-    cpu_attention.load()
-    if cpu_attention.amx_prefill():
-        cpu_attention.load_prefill()
+    cpu_attention.load()  # with the prefill-chunk library where it is used
     return cpu_build.load(SOURCE, "fuseserve_stack")
 
 
