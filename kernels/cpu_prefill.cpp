@@ -72,12 +72,21 @@ struct Chunk {
   bf16* packed;           // per KV head: key_blocks x (K^T block, V block), KEYS x padded_dim(D) each
 };
 
-// (start, end, context) triples and each chunk's block ids (int64 copies kept alive by the caller).
-std::vector<Chunk> chunks_of(at::IntArrayRef ints, const std::vector<at::Tensor>& blocks) {
+// (start, end, context) triples and each chunk's block ids (int64 copies kept alive by the caller),
+// checked against the pass's rows and the cache's blocks before anything is read.
+std::vector<Chunk> chunks_of(at::IntArrayRef ints, const std::vector<at::Tensor>& blocks, int64_t rows,
+                             int64_t num_blocks, int64_t block_size) {
   std::vector<Chunk> out;
   for (size_t c = 0; c < blocks.size(); ++c) {
     const int64_t* b = ints.data() + 3 * c;
-    out.push_back({b[0], b[1], b[2], (b[2] + KEYS - 1) / KEYS, blocks[c].data_ptr<int64_t>(), nullptr});
+    const int64_t* ids = blocks[c].data_ptr<int64_t>();
+    const int64_t needed = (b[2] + block_size - 1) / block_size;
+    TORCH_CHECK(0 <= b[0] && b[0] < b[1] && b[1] <= rows && b[1] - b[0] <= b[2] && blocks[c].numel() >= needed,
+                "prefill_attention: chunk ", c, " (rows ", b[0], "-", b[1], ", context ", b[2], ", ",
+                blocks[c].numel(), " blocks) does not fit a pass of ", rows, " rows");
+    for (int64_t i = 0; i < needed; ++i)
+      TORCH_CHECK(0 <= ids[i] && ids[i] < num_blocks, "prefill_attention: block id ", ids[i], " out of range");
+    out.push_back({b[0], b[1], b[2], (b[2] + KEYS - 1) / KEYS, ids, nullptr});
   }
   return out;
 }
@@ -221,13 +230,14 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
               "prefill_attention: bf16 queries and caches");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1 &&
-                  H % KVH == 0 && k_cache.size(3) == D && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  out.sizes() == q.sizes() && H % KVH == 0 && k_cache.size(3) == D &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   chunk_ints.size() == 3 * blocks.size(),
               "prefill_attention: q/out [T, H, D] (D contiguous), contiguous caches, 3 ints per chunk");
   const bool vnni = at::native::cpublas::could_pack(at::kBFloat16);  // oneDNN's brgemm (AMX) takes bf16 here
   std::vector<at::Tensor> ids;
   for (const at::Tensor& b : blocks) ids.push_back(b.to(at::kLong).contiguous());
-  std::vector<Chunk> chunks = chunks_of(chunk_ints, ids);
+  std::vector<Chunk> chunks = chunks_of(chunk_ints, ids, q.size(0), k_cache.size(0), k_cache.size(1));
   int64_t total = 0;
   const int64_t DP = padded_dim(D);
   for (const Chunk& c : chunks) total += KVH * c.key_blocks * 2 * KEYS * DP;

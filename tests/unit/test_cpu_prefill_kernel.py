@@ -64,3 +64,9 @@ def test_prefill_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="contiguous caches"):
         strided = torch.zeros(8, BLOCK, 4, 64, dtype=torch.bfloat16)[:, :, :2]
         cpu_attention.prefill_attention(torch.empty_like(q), q, strided, strided, [chunk], 0.125)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        past = reference.PrefillChunk(20, 60, torch.arange(3, dtype=torch.int32), 40)  # rows past the pass
+        cpu_attention.prefill_attention(torch.empty_like(q), q, cache, cache, [past], 0.125)
+    with pytest.raises(RuntimeError, match="out of range"):
+        bad = reference.PrefillChunk(0, 40, torch.tensor([0, 1, 8], dtype=torch.int32), 40)
+        cpu_attention.prefill_attention(torch.empty_like(q), q, cache, cache, [bad], 0.125)
