@@ -251,17 +251,18 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
     total += KVH * c.key_blocks * 2 * KEYS * DP;
     for (int64_t h = 0; h < KVH; ++h) {
       for (int64_t kb = 0; kb < c.key_blocks; ++kb) packs.push_back({static_cast<int64_t>(ci), h, kb});
-      for (int64_t i0 = c.end - c.start - mq; i0 > -mq; i0 -= mq)  // the costliest (latest) tiles first
+      for (int64_t i0 = c.end - c.start - mq; i0 > -mq; i0 -= mq)  // the first tile may start before row 0
         tiles.push_back({static_cast<int64_t>(ci), h, i0});
     }
   }
-  std::sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) {
-    return chunks[a[0]].context - (chunks[a[0]].end - chunks[a[0]].start) + a[2] >
-           chunks[b[0]].context - (chunks[b[0]].end - chunks[b[0]].start) + b[2];
-  });
+  auto position = [&](const std::array<int64_t, 3>& t) {  // of a tile's first row: what its keys cost
+    const Chunk& c = chunks[t[0]];
+    return c.context - (c.end - c.start) + t[2];
+  };
+  std::sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) { return position(a) > position(b); });
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tiles.size()));
   std::atomic<int64_t> next_pack{0}, next_tile{0};
-  auto work = [&](Scratch& w) {
+  auto pack = [&](Scratch& w) {
     for (int64_t i; (i = next_pack.fetch_add(1)) < static_cast<int64_t>(packs.size());) {
       const Chunk& c = chunks[packs[i][0]];
       bf16* dst = c.packed + (packs[i][1] * c.key_blocks + packs[i][2]) * 2 * KEYS * DP;
@@ -276,14 +277,14 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
     }
     at::native::cpublas::brgemm_release(vnni);
   };
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    Scratch w;
-    for (int64_t t = t0; t < t1; ++t) work(w);
-  });
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    Scratch w;
-    for (int64_t t = t0; t < t1; ++t) attend(w);
-  });
+  auto on_threads = [&](const auto& phase) {  // phase once on each thread, with scratch buffers of its own
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      Scratch w;
+      for (int64_t t = t0; t < t1; ++t) phase(w);
+    });
+  };
+  on_threads(pack);  // every block packed before any tile reads one
+  on_threads(attend);
 }
 
 }  // namespace

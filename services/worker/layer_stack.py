@@ -102,10 +102,9 @@ class LayerStack:
         log.info("decoder layers run as one C++ call per pass (FUSESERVE_LAYER_STACK=0: Python)")
         return cls(model, kv_cache)
 
-    def accepts(self, batch, metadata) -> bool:
-        """Whether this pass (``metadata``: the CPU backend's, as ``build`` required) can take the stack:
-        no LoRA tokens, the operators switched on (``cpu_stack.ENABLED``, ``cpu_fused.ENABLED``:
-        benchmarks toggle them)."""
+    def accepts(self, batch) -> bool:
+        """Whether this pass can take the stack: no LoRA tokens, the operators switched on
+        (``cpu_stack.ENABLED``, ``cpu_fused.ENABLED``: benchmarks toggle them)."""
         return cpu_stack.ENABLED and cpu_fused.ENABLED and batch.lora is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:

@@ -299,7 +299,7 @@ class ModelRunner:
             stack = self.layer_stack
             if hidden is None and self.compiled is not None:
                 hidden = self.compiled(batch.input_ids, batch.positions, ctx)
-            elif hidden is None and stack is not None and stack.accepts(batch, metadata):
+            elif hidden is None and stack is not None and stack.accepts(batch):
                 hidden = stack(batch.input_ids, batch.positions, metadata)
             elif hidden is None:
                 hidden = self.model(batch.input_ids, batch.positions)
