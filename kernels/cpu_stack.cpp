@@ -5,15 +5,16 @@
 // Built at first use by fuseserve/kernels/cpu_stack.py and registered as
 // torch.ops.fuseserve_stack.decoder_layers. It calls the same operators as the Python layers, in the
 // same order, through the dispatcher: mkldnn::_linear_pointwise on the packed weights
-// (services/worker/prepacked_linear.py), fuseserve_fused::{rms_norm, add_rms_norm, rotary, silu_mul}
+// (services/worker/prepacked_linear.py; fuseserve_linear::linear from cpu_linear.cpp for decode-size
+// passes where a weight has its copy), fuseserve_fused::{rms_norm, add_rms_norm, rotary, silu_mul}
 // (cpu_fused.cpp), index_copy_ into the KV cache (kernels/reference.py's write_kv),
 // fuseserve_cpu::paged_attention (cpu_attention.cpp) and, for a pass's long bf16 prefill chunks on AMX
 // CPUs, fuseserve_prefill::prefill_attention (cpu_prefill.cpp); so its output equals the Python layers'
 // bit for bit (tests/unit/test_layer_stack.py). Those libraries must be loaded first (cpu_stack.py
 // does it).
 //
-// Per layer l, weights[10 l ..]: input norm, qkv (packed), qkv bias, o (packed), o bias, post-attention
-// norm, gate_up (packed), gate_up bias, down (packed), down bias; a bias with no elements means none.
+// Per layer l, weights[14 l ..]: input norm, then qkv (packed), its bias and its small copy, o (the same
+// three), post-attention norm, gate_up (three), down (three); an empty bias or copy means none.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,7 +33,7 @@
 
 namespace {
 
-constexpr int64_t PER_LAYER = 10;
+constexpr int64_t PER_LAYER = 14;
 
 c10::OperatorHandle op(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
@@ -96,11 +97,27 @@ at::Tensor pad_rows(const at::Tensor& x, int64_t rows) {
   return out;
 }
 
-// x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it: at
-// padded_rows(T) rows (the surplus rows computed and dropped), in row chunks where row_chunks says.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+constexpr int64_t SMALL_ROWS = 32;
+// Passes of at most SMALL_ROWS rows read the weights more than they multiply: where a weight has a copy
+// in cpu_linear.cpp's blocks (`small`, empty when none), they multiply by it. Measured on an AMX CPU
+// (SmolLM2, 16 rows, weights out of cache): the 30 layers' linears 13.0-13.8 ms with oneDNN, 10.2-11.0
+// with the blocks; at 256 and more rows oneDNN's matmul was the faster (benchmarks/README.md).
+bool small_pass(const at::Tensor& x, const at::Tensor& small) { return small.numel() > 0 && x.size(0) <= SMALL_ROWS; }
+
+at::Tensor small_call(const at::Tensor& x, const at::Tensor& small, const at::Tensor& b) {
+  static const c10::OperatorHandle h = op("fuseserve_linear::linear");
+  torch::jit::Stack st{x, small, optional_bias(b)};
+  h.callBoxed(st);
+  return st[0].toTensor();
+}
+
+// x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it: by the
+// small copy where small_pass says, else at padded_rows(T) rows (the surplus rows computed and dropped),
+// in row chunks where row_chunks says.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& small) {
   const int64_t T = x.size(0), padded = padded_rows(T, x.scalar_type());
-  if (padded != T) return linear(pad_rows(x, padded), w, b).narrow(0, 0, T);
+  if (padded != T) return linear(pad_rows(x, padded), w, b, small).narrow(0, 0, T);
+  if (small_pass(x, small)) return small_call(x, small, b);
   const int64_t n = row_chunks(x);
   if (n == 1) return linear_call(x, w, b);
   at::Tensor out = at::empty({T, w.size(0)}, x.options());
@@ -110,8 +127,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   return out;
 }
 
-at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-  return linear(x.contiguous(), w, b.has_value() ? *b : at::Tensor(at::empty({0}, x.options())));
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                     const std::optional<at::Tensor>& small) {
+  const at::Tensor none = at::empty({0}, x.options());
+  return linear(x.contiguous(), w, b.has_value() ? *b : none, small.has_value() ? *small : none);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -193,7 +212,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
     // attention: norm, stacked q/k/v projection, rotary in place, KV write, paged attention, o projection
-    const at::Tensor qkv = linear(rms_norm(x, w[0], eps), w[1], w[2]);
+    const at::Tensor qkv = linear(rms_norm(x, w[0], eps), w[1], w[2], w[3]);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -209,13 +228,17 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     // residual add. Every step is row-wise, so with row chunks each thread runs them all on its rows.
     const at::Tensor attn2 = attn.view({T, q_size});
     auto tail = [&](const at::Tensor& a, const at::Tensor& res) {
-      const at::Tensor o = linear_call(a, w[3], w[4]);
-      auto [normed, h] = add_rms_norm(o, res, w[5], eps);
-      const at::Tensor gate_up = linear_call(normed, w[6], w[7]);
+      // T rows here: no padding, and a pass of more than SMALL_ROWS never takes the small copies
+      auto lin = [&](const at::Tensor& in, const at::Tensor* lw) {
+        return small_pass(in, lw[2]) ? small_call(in, lw[2], lw[1]) : linear_call(in, lw[0], lw[1]);
+      };
+      const at::Tensor o = lin(a, w + 4);
+      auto [normed, h] = add_rms_norm(o, res, w[7], eps);
+      const at::Tensor gate_up = lin(normed, w + 8);
       at::Tensor act = at::empty({a.size(0), gate_up.size(1) / 2}, gate_up.options());
       torch::jit::Stack sm{act, gate_up};
       silu_mul.callBoxed(sm);
-      return std::make_pair(h, linear_call(act, w[8], w[9]));
+      return std::make_pair(h, lin(act, w + 11));
     };
     const int64_t n = row_chunks(x);
     if (n == 1) {
@@ -264,7 +287,7 @@ std::vector<int64_t> bind_threads(at::IntArrayRef cpus) {
 
 TORCH_LIBRARY(fuseserve_stack, m) {
   m.def("bind_threads(int[] cpus) -> int[]");
-  m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? b, Tensor? small=None) -> Tensor");
   m.def("padded_rows(int rows, ScalarType dtype) -> int");
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fuseserve.kernels import cpu_attention, cpu_build, cpu_fused
+from fuseserve.kernels import cpu_attention, cpu_build, cpu_fused, cpu_linear
 
 SOURCE = Path(__file__).with_name("cpu_stack.cpp")
 ENABLED = os.environ.get("FUSESERVE_LAYER_STACK", "1") != "0"
@@ -34,6 +34,8 @@ def load() -> Any:
     ``cpu_attention``), building what is not built yet. Raises ``cpu_build.CpuKernelUnavailable``."""
     cpu_fused.load()
     cpu_attention.load()  # with the prefill-chunk library where it is used
+    if cpu_linear.available():  # the small-pass bf16 linears (AMX), where prepack makes their copies
+        cpu_linear.load()
     return cpu_build.load(SOURCE, "fuseserve_stack")
 
 
@@ -62,8 +64,9 @@ def decoder_layers(
     """The layers over ``x [T, hidden]`` (the embeddings) → the last layer's output ``[T, hidden]``.
 
     ``positions [T]`` int64; ``cos`` / ``sin`` the rotary tables ``[max_positions, R]``; ``weights``
-    ten per layer: input norm, qkv, qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias,
-    down, down bias (linears packed, an empty tensor for a missing bias); one K and one
+    fourteen per layer: input norm, qkv (packed, bias, small-pass copy), o (the same three),
+    post-attention norm, gate_up (three), down (three), an empty tensor for a missing bias or copy
+    (``layer_stack._linear``); one K and one
     V cache ``[num_blocks, block_size, KVH, D]`` per layer, written at ``metadata.slot_mapping``;
     ``windows`` each layer's sliding window (0: none). Raises ``RuntimeError`` on inconsistent sizes.
     """

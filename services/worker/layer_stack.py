@@ -26,8 +26,12 @@ from fuseserve.worker.models.llama import DecoderLayer, DecoderModel
 log = logging.getLogger(__name__)
 
 
-def _bias(linear: nn.Module, empty: torch.Tensor) -> torch.Tensor:
-    return linear.bias.detach() if linear.bias is not None else empty
+def _linear(linear: nn.Module, empty: torch.Tensor) -> list[torch.Tensor]:
+    """A packed linear's three stack weights: the packed weight, its bias and its small-pass copy (an
+    empty tensor for a missing one)."""
+    bias = linear.bias.detach() if linear.bias is not None else empty
+    small = getattr(linear, "small_weight", None)
+    return [linear.packed_weight, bias, small if small is not None else empty]
 
 
 def unsupported(model: nn.Module, backend, kv_dtype: torch.dtype) -> str | None:
@@ -79,18 +83,10 @@ class LayerStack:
         self.weights: list[torch.Tensor] = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.weights += [
-                layer.input_layernorm.weight.detach(),
-                attn.qkv_proj.packed_weight,
-                _bias(attn.qkv_proj, empty),
-                attn.o_proj.packed_weight,
-                _bias(attn.o_proj, empty),
-                layer.post_attention_layernorm.weight.detach(),
-                mlp.gate_up_proj.packed_weight,
-                _bias(mlp.gate_up_proj, empty),
-                mlp.down_proj.packed_weight,
-                _bias(mlp.down_proj, empty),
-            ]
+            self.weights.append(layer.input_layernorm.weight.detach())
+            self.weights += _linear(attn.qkv_proj, empty) + _linear(attn.o_proj, empty)
+            self.weights.append(layer.post_attention_layernorm.weight.detach())
+            self.weights += _linear(mlp.gate_up_proj, empty) + _linear(mlp.down_proj, empty)
 
     @classmethod
     def build(cls, model: nn.Module, backend, kv_cache, kv_dtype: torch.dtype, lora) -> LayerStack | None:

@@ -51,8 +51,10 @@ weight (a oneDNN-layout tensor the compiler cannot trace) never enters the graph
 
 
 def _matmul(module: nn.Linear, x2d: torch.Tensor) -> torch.Tensor:
-    if x2d.dtype == torch.bfloat16 and (stack := _row_split_ops()) is not None:
-        return stack.linear(x2d, module.packed_weight, module.bias)  # the decoder-layer stack's rule
+    if (
+        x2d.dtype == torch.bfloat16 and (stack := _row_split_ops()) is not None
+    ):  # the decoder-layer stack's rule
+        return stack.linear(x2d, module.packed_weight, module.bias, module.small_weight)
     return torch.ops.mkldnn._linear_pointwise(
         x2d.contiguous(), module.packed_weight, module.bias, "none", [], ""
     )
@@ -90,6 +92,29 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
+def _small_copy(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` packed into ``kernels/cpu_linear.py``'s blocks for passes of at most 32 rows (bf16, AMX, the
+    C++ stack present, ``FUSESERVE_AMX_LINEAR`` not 0), else None. A second copy of the weight (``prepack``
+    makes them while they fit in a quarter of the RAM available): it reads a decode pass's weights
+    20-25% faster than oneDNN's matmul, which stays the faster one for long passes
+    (``benchmarks/README.md``)."""
+    if w.dtype != torch.bfloat16 or _row_split_ops() is None:
+        return None
+    from fuseserve.kernels import cpu_linear
+
+    return cpu_linear.pack(w) if cpu_linear.packable(w) else None
+
+
+def _memory_available() -> int:
+    """Bytes of RAM available now (``/proc/meminfo``'s MemAvailable; 0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(ln for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+    return int(line.split()[1]) * 1024
+
+
 def _packable_dtypes() -> tuple[torch.dtype, ...]:
     """float32, and bfloat16 where this CPU multiplies it natively (oneDNN's own check)."""
     bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
@@ -113,6 +138,7 @@ def prepack(model: nn.Module, max_rows: int = 0, max_seqs: int = 0) -> int:
     plain = (nn.Linear, MergedLinear, RowParallelLinear, ParallelLMHead)  # not quantized subclasses
     shared = _shared_weights(model)
     dtypes = _packable_dtypes()
+    spare = _memory_available() // 4  # what the small-pass copies may take
     packed = 0
     for module in model.modules():
         if type(module) not in plain or not isinstance(module.weight, torch.Tensor):
@@ -123,13 +149,23 @@ def prepack(model: nn.Module, max_rows: int = 0, max_seqs: int = 0) -> int:
         module.register_buffer(
             "packed_weight", torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT), persistent=False
         )
+        small = _small_copy(w) if w.numel() * w.element_size() <= spare else None
+        spare -= small.numel() * small.element_size() if small is not None else 0
+        module.register_buffer("small_weight", small, persistent=False)
         module.packed_index = len(_MODULES)
         _MODULES.append(weakref.ref(module))
         module.forward = types.MethodType(_packed_forward, module)
         if w.data_ptr() not in shared:
-            module.weight = None  # the packed copy replaces it (the memory stays the weights' size)
+            module.weight = (
+                None  # the packed copy replaces it (the memory stays the weights' size, or twice it
+            )
+            # with a small-pass copy)
         packed += 1
-    log.info("prepacked %d linear layers for oneDNN (%s, CPU)", packed, ", ".join(map(str, dtypes)))
+    small = sum(getattr(m, "small_weight", None) is not None for m in model.modules())
+    log.info(
+        "prepacked %d linear layers for oneDNN (%s, CPU), %d with a small-pass copy (kernels/cpu_linear.py)",
+        packed, ", ".join(map(str, dtypes)), small,
+    )  # fmt: skip
     if max_rows:
         warm_up(model, max_rows, max_seqs or max_rows)
     return packed
@@ -175,7 +211,8 @@ def warm_up(model: nn.Module, max_rows: int, max_head_rows: int) -> float:
                 break
             for (in_features, out_features, bias), m in shapes.items():
                 if (in_features, out_features, bias) != head or n <= max_head_rows:
-                    stack.linear(torch.zeros(n, in_features, dtype=torch.bfloat16), m.packed_weight, m.bias)
+                    x = torch.zeros(n, in_features, dtype=torch.bfloat16)
+                    stack.linear(x, m.packed_weight, m.bias, m.small_weight)
             built += 1
     seconds = time.perf_counter() - t0
     log.info(
