@@ -227,6 +227,13 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _content_rules(cls, data: Any) -> Any:
+        if isinstance(data, dict):  # the chat endpoint's rules: the same template renders both
+            check_message_content(data.get("messages"))
+        return data
+
 
 class DetokenizeRequest(_Strict):
     """``POST /detokenize``: ``tokens`` (token ids) back to text."""

@@ -66,6 +66,8 @@ def test_tokenize_detokenize_and_chat_template_file(http, tok):
         ("/tokenize", {}),
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
         ("/tokenize", {"prompt": 5}),
+        ("/tokenize", {"messages": [{"role": "user"}]}),  # the chat endpoint's content rules
+        ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
         ("/detokenize", {"tokens": [10**9]}),
         ("/detokenize", {"tokens": "abc"}),
     ):
