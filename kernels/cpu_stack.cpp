@@ -7,7 +7,7 @@
 // same order, through the dispatcher: mkldnn::_linear_pointwise on the packed weights
 // (services/worker/prepacked_linear.py; fuseserve_linear::linear from cpu_linear.cpp for decode-size
 // passes where a weight has its copy), fuseserve_fused::{rms_norm, add_rms_norm, rotary, silu_mul}
-// (cpu_fused.cpp), index_copy_ into the KV cache (kernels/reference.py's write_kv),
+// (cpu_fused.cpp), the KV write (kernels/reference.py's write_kv, here one memcpy a row),
 // fuseserve_cpu::paged_attention (cpu_attention.cpp) and, for a pass's long bf16 prefill chunks on AMX
 // CPUs, fuseserve_prefill::prefill_attention (cpu_prefill.cpp); so its output equals the Python layers'
 // bit for bit (tests/unit/test_layer_stack.py). Those libraries must be loaded first (cpu_stack.py
@@ -27,6 +27,7 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -151,6 +152,28 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
   return {out, sum};
 }
 
+// The first `tokens` rows of x [T, KVH, D] (rows of heads contiguous) into cache [num_blocks, block_size,
+// KVH, D] at the flat slots slot_mapping [tokens] (int64): what index_copy_ along the slots does
+// (reference.write_kv), as one memcpy a row: in a profiled 16-decode pass index_copy_ took ~16 us a call
+// (60 calls, 2.9% of the pass; benchmarks/README.md). Raises on a slot past the cache.
+void write_kv(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& slot_mapping, int64_t tokens) {
+  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == x.scalar_type() && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2) && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.numel() == tokens && cache.size(2) * cache.size(3) == x.size(1) * x.size(2),
+              "write_kv: cache and rows of one dtype and head layout, int64 slots, one per token");
+  const int64_t row = x.size(1) * x.size(2) * x.element_size(), slots = cache.numel() / (x.size(1) * x.size(2));
+  const int64_t* slots_at = slot_mapping.data_ptr<int64_t>();
+  const int64_t slot_stride = slot_mapping.numel() > 0 ? slot_mapping.stride(0) : 1;
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(x.data_ptr());
+  const int64_t src_stride = x.stride(0) * x.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots_at[t * slot_stride];
+    TORCH_CHECK(slot >= 0 && slot < slots, "write_kv: slot ", slot, " outside the cache's ", slots);
+    std::memcpy(dst + slot * row, src + t * src_stride, row);
+  }
+}
+
 // One layer's attention over the cache, written into attn [T, H, D]: the whole pass through the paged
 // operator, or, with a split (cpu_attention.PrefillSplit, as its write_and_attend takes it), the short
 // rows through the operator and the long prefill chunks through fuseserve_prefill::prefill_attention
@@ -218,8 +241,8 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     torch::jit::Stack rot{q, k, pos, cos, sin};
     rotary.callBoxed(rot);
-    k_caches[l].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k.narrow(0, 0, tokens));
-    v_caches[l].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v.narrow(0, 0, tokens));
+    write_kv(k_caches[l], k, slot_mapping, tokens);
+    write_kv(v_caches[l], v, slot_mapping, tokens);
     const at::Tensor attn = at::empty({T, num_heads, head_dim}, q.options());
     if (T > tokens) attn.narrow(0, tokens, T - tokens).zero_();
     attend(attn.narrow(0, 0, tokens), q.narrow(0, 0, tokens), k_caches[l], v_caches[l], block_tables, cu_seqlens_q,
