@@ -127,3 +127,17 @@ def test_long_bf16_passes_split_rows_in_both_paths(smollm2_source, monkeypatch):
         assert _drive(runner, monkeypatch, [300, 212], decodes=1) == [512, 2]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_slot_past_the_cache_is_refused(tmp_path):
+    """The stack writes K/V rows at their slots itself (cpu_stack.cpp's ``write_kv``): a slot outside
+    the cache is a RuntimeError, never a write past it."""
+    _, config = tiny_checkpoint("llama-gqa", tmp_path)
+    runner = _runner(tmp_path, config, "float32")
+    slots = runner.kv_cache.k[0].shape[0] * runner.kv_cache.k[0].shape[1]
+    for bad in (slots, -1):
+        meta = cpu_attention.CpuAttentionMetadata(
+            torch.tensor([bad]), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1]), torch.tensor([1])
+        )
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            runner.layer_stack(torch.tensor([1]), torch.tensor([0]), meta)
