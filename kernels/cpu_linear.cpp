@@ -26,14 +26,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "cpu_vec.h"
-
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -42,18 +37,6 @@ using bf16 = c10::BFloat16;
 
 constexpr int64_t COLS = 64;           // output columns per block (oneDNN packs at most 64)
 constexpr int64_t TILE_BYTES = 1 << 20;  // rows per brgemm call: an [M, K] bf16 slice of x of about 1 MiB
-
-// 16 lanes rounded to bf16 (nearest even) and stored: AVX512_BF16's conversion where built for it (every
-// AMX CPU has it), else cpu_vec.h's, the same bits.
-inline void store_bf16(bf16* p, v16 v) {
-#ifdef __AVX512BF16__
-  __m512 x;
-  std::memcpy(&x, &v, sizeof(x));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
-#else
-  store16(p, v);
-#endif
-}
 
 bool usable() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
@@ -107,7 +90,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const std::o
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < cols; j += 16) {
           const v16 y = load16(c.data() + r * cols + j);
-          store_bf16(op + (r0 + r) * N + c0 + j, bias != nullptr ? y + load16(bias + c0 + j) : y);
+          store16(op + (r0 + r) * N + c0 + j, bias != nullptr ? y + load16(bias + c0 + j) : y);
         }
     }
     at::native::cpublas::brgemm_release(true);

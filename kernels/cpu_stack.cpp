@@ -105,22 +105,23 @@ constexpr int64_t SMALL_ROWS = 32;
 // with the blocks; at 256 and more rows oneDNN's matmul was the faster (benchmarks/README.md).
 bool small_pass(const at::Tensor& x, const at::Tensor& small) { return small.numel() > 0 && x.size(0) <= SMALL_ROWS; }
 
-at::Tensor small_call(const at::Tensor& x, const at::Tensor& small, const at::Tensor& b) {
+// One call for the product: by the small copy where small_pass says, else oneDNN's (linear_call).
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& small) {
+  if (!small_pass(x, small)) return linear_call(x, w, b);
   static const c10::OperatorHandle h = op("fuseserve_linear::linear");
   torch::jit::Stack st{x, small, optional_bias(b)};
   h.callBoxed(st);
   return st[0].toTensor();
 }
 
-// x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it: by the
-// small copy where small_pass says, else at padded_rows(T) rows (the surplus rows computed and dropped),
-// in row chunks where row_chunks says.
+// x [T, in] times a packed weight (+ bias) -> [T, out], as prepacked_linear._matmul calls it: at
+// padded_rows(T) rows (the surplus rows computed and dropped), in row chunks where row_chunks says (never
+// a pass small_pass takes), else as one product.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& small) {
   const int64_t T = x.size(0), padded = padded_rows(T, x.scalar_type());
   if (padded != T) return linear(pad_rows(x, padded), w, b, small).narrow(0, 0, T);
-  if (small_pass(x, small)) return small_call(x, small, b);
   const int64_t n = row_chunks(x);
-  if (n == 1) return linear_call(x, w, b);
+  if (n == 1) return product(x, w, b, small);
   at::Tensor out = at::empty({T, w.size(0)}, x.options());
   for_each_row_chunk(T, n, [&](int64_t r0, int64_t rows) {
     out.narrow(0, r0, rows).copy_(linear_call(x.narrow(0, r0, rows), w, b));
@@ -251,17 +252,13 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     // residual add. Every step is row-wise, so with row chunks each thread runs them all on its rows.
     const at::Tensor attn2 = attn.view({T, q_size});
     auto tail = [&](const at::Tensor& a, const at::Tensor& res) {
-      // T rows here: no padding, and a pass of more than SMALL_ROWS never takes the small copies
-      auto lin = [&](const at::Tensor& in, const at::Tensor* lw) {
-        return small_pass(in, lw[2]) ? small_call(in, lw[2], lw[1]) : linear_call(in, lw[0], lw[1]);
-      };
-      const at::Tensor o = lin(a, w + 4);
+      const at::Tensor o = product(a, w[4], w[5], w[6]);  // the pass is padded already
       auto [normed, h] = add_rms_norm(o, res, w[7], eps);
-      const at::Tensor gate_up = lin(normed, w + 8);
+      const at::Tensor gate_up = product(normed, w[8], w[9], w[10]);
       at::Tensor act = at::empty({a.size(0), gate_up.size(1) / 2}, gate_up.options());
       torch::jit::Stack sm{act, gate_up};
       silu_mul.callBoxed(sm);
-      return std::make_pair(h, lin(act, w + 11));
+      return std::make_pair(h, product(act, w[11], w[12], w[13]));
     };
     const int64_t n = row_chunks(x);
     if (n == 1) {

@@ -140,7 +140,7 @@ def prepack(model: nn.Module, max_rows: int = 0, max_seqs: int = 0) -> int:
     shared = _shared_weights(model)
     dtypes = _packable_dtypes()
     spare = _memory_available() // 4  # what the small-pass copies may take
-    packed = 0
+    packed = copies = 0
     for module in model.modules():
         if type(module) not in plain or not isinstance(module.weight, torch.Tensor):
             continue
@@ -151,7 +151,9 @@ def prepack(model: nn.Module, max_rows: int = 0, max_seqs: int = 0) -> int:
             "packed_weight", torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT), persistent=False
         )
         small = _small_copy(w) if w.numel() * w.element_size() <= spare else None
-        spare -= small.numel() * small.element_size() if small is not None else 0
+        if small is not None:
+            spare -= small.numel() * small.element_size()
+            copies += 1
         module.register_buffer("small_weight", small, persistent=False)
         module.packed_index = len(_MODULES)
         _MODULES.append(weakref.ref(module))
@@ -160,7 +162,6 @@ def prepack(model: nn.Module, max_rows: int = 0, max_seqs: int = 0) -> int:
             # the packed copy replaces it: the weights' size in memory (twice it with small-pass copies)
             module.weight = None
         packed += 1
-    copies = sum(getattr(m, "small_weight", None) is not None for m in model.modules())
     log.info(
         "prepacked %d linear layers for oneDNN (%s, CPU), %d with a small-pass copy (kernels/cpu_linear.py)",
         packed, ", ".join(map(str, dtypes)), copies,
